@@ -1,0 +1,1 @@
+"""Batching policies: the memory-budget sliding window (ARCHITECTURE §1, §3)."""

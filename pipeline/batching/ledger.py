@@ -1,0 +1,42 @@
+"""Reservation ledger: memory a batcher dispatched to a node that the node's last status does not show yet.
+
+A node reports the stream id of the last batch entry it admitted (`last_batch_entry`). Stream ids grow
+monotonically, so every dispatched batch with a larger id is still in flight and its memory is reserved; without
+this, two windows inside one status refresh would both see the same free memory and overfill the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pipeline.routing.views import NodeView
+
+
+def stream_id_key(entry_id: str) -> tuple[int, int]:
+    """Order of Redis stream ids "ms-seq"; an empty id sorts first."""
+    if not entry_id:
+        return (-1, -1)
+    ms, _, seq = entry_id.partition("-")
+    return (int(ms), int(seq or 0))
+
+
+@dataclass
+class ReservationLedger:
+    _inflight: dict[str, list[tuple[tuple[int, int], float, int]]] = field(default_factory=dict)
+
+    def record(self, node: str, entry_id: str, mem_kb: float, requests: int) -> None:
+        self._inflight.setdefault(node, []).append((stream_id_key(entry_id), mem_kb, requests))
+
+    def reserved_kb(self, node: str) -> float:
+        return sum(m for _, m, _ in self._inflight.get(node, ()))
+
+    def apply(self, view: NodeView, last_admitted: str) -> NodeView:
+        """Drop reservations the node has admitted; return the view with what is still in flight subtracted."""
+        seen = stream_id_key(last_admitted)
+        pending = [r for r in self._inflight.get(view.name, ()) if r[0] > seen]
+        self._inflight[view.name] = pending
+        if not pending:
+            return view
+        mem = sum(m for _, m, _ in pending)
+        n = sum(k for _, _, k in pending)
+        return replace(view, kv_free_kb=max(0.0, view.kv_free_kb - mem), waiting=view.waiting + n)

@@ -1,0 +1,353 @@
+"""Configuration: typed, bounded, documented models of everything in `configs/*.yaml`.
+
+Owns the schema of the cluster topology, GPU types, model shapes and policy parameters, and the loader that
+merges the YAML files and reports a bad value with its field path and what is allowed. It must never read
+tunables from the environment (connection URLs and secrets are the shell's business, not the config's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_FILES = ("gpus.yaml", "models.yaml", "cluster.yaml", "policies.yaml")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field path and what is allowed."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class GpuSpec(_Strict):
+    memory_gb: float = Field(gt=0, le=4096)
+    """Device memory in GB (10^9 bytes)."""
+    bf16_tflops: float = Field(gt=0, le=100_000)
+    """Dense BF16 tensor-core throughput, TFLOP/s."""
+    hbm_tbps: float = Field(gt=0, le=100)
+    """HBM bandwidth, TB/s."""
+    pcie_gbps: float = Field(default=64, gt=0, le=10_000)
+    """Host link bandwidth, GB/s (the denominator of PCIe utilisation)."""
+    nvlink_gbps: float = Field(default=0, ge=0, le=100_000)
+    """NVLink bandwidth per GPU, GB/s (0: none)."""
+    price_per_hour: float = Field(default=0, ge=0, le=1_000)
+    """Price of one GPU-hour in USD (cost comparisons only)."""
+
+
+class ModelSpec(_Strict):
+    layers: int = Field(gt=0, le=1024)
+    """Transformer layers."""
+    hidden: int = Field(gt=0, le=131_072)
+    """Hidden size."""
+    heads: int = Field(gt=0, le=1024)
+    """Attention (query) heads."""
+    kv_heads: int = Field(gt=0, le=1024)
+    """Key/value heads (GQA); equals `heads` for multi-head attention."""
+    intermediate: int = Field(gt=0, le=1_048_576)
+    """MLP intermediate size (gated MLP: three matrices of hidden x intermediate)."""
+    vocab: int = Field(gt=0, le=10_000_000)
+    """Vocabulary size."""
+    context: int = Field(default=32768, gt=0, le=10_000_000)
+    """Maximum context length in tokens (prompt + output)."""
+    dtype: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
+    """Weight and KV-cache dtype."""
+    mem_in_kb_per_token: float = Field(default=200, gt=0, le=1_000_000)
+    """Seed memory coefficient for prompt tokens, KB per token (mem_est_kb = in*a + out*b)."""
+    mem_out_kb_per_token: float = Field(default=1500, gt=0, le=1_000_000)
+    """Seed memory coefficient for output tokens, KB per token."""
+    default_out_tokens: int = Field(default=256, gt=0, le=1_000_000)
+    """Output length assumed when neither the request nor the user's history gives one."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSpec:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V cached per token over all layers: 2 * layers * kv_heads * head_dim * dtype_bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def params(self) -> int:
+        """Parameter count from the shape (attention with GQA, gated MLP, untied embeddings)."""
+        kv_dim = self.kv_heads * self.head_dim
+        attn = self.hidden * self.hidden * 2 + self.hidden * kv_dim * 2
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + 2 * self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+
+class NodeTemplate(_Strict):
+    gpu: str
+    """GPU type, a key of `gpus`."""
+    tp: int = Field(default=1, ge=1, le=64)
+    """Tensor-parallel degree: GPUs per engine instance (one node = one engine instance)."""
+    models: tuple[str, ...] = Field(min_length=1)
+    """Models this node serves, keys of `models`."""
+
+
+class NodeSpec(NodeTemplate):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Node id, unique in the cluster."""
+
+
+class RackSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """Rack id; it becomes the `{rack}` hash tag of the rack's stream keys."""
+    node_count: int | None = Field(default=None, ge=1, le=4096)
+    """Number of identical nodes built from `node` (ids `<rack>-n<i>`)."""
+    node: NodeTemplate | None = None
+    """Template for `node_count` nodes."""
+    nodes: tuple[NodeSpec, ...] = ()
+    """Explicit nodes (mixed GPU types); used instead of `node_count` + `node`."""
+
+    @model_validator(mode="after")
+    def _one_form(self) -> RackSpec:
+        if self.nodes and (self.node_count or self.node):
+            raise ValueError("give either `nodes` or `node_count` + `node`, not both")
+        if not self.nodes and not (self.node_count and self.node):
+            raise ValueError("a rack needs `nodes` or both `node_count` and `node`")
+        return self
+
+    def expanded(self) -> tuple[NodeSpec, ...]:
+        if self.nodes:
+            return self.nodes
+        assert self.node is not None and self.node_count is not None
+        return tuple(
+            NodeSpec(name=f"{self.name}-n{i}", **self.node.model_dump()) for i in range(self.node_count)
+        )
+
+
+class ClusterSpec(_Strict):
+    racks: tuple[RackSpec, ...] = Field(min_length=1)
+    """Racks of the cluster, each a list of nodes."""
+
+    @model_validator(mode="after")
+    def _unique(self) -> ClusterSpec:
+        names = [r.name for r in self.racks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rack names must be unique, got {names}")
+        node_names = [n.name for r in self.racks for n in r.expanded()]
+        dup = sorted({n for n in node_names if node_names.count(n) > 1})
+        if dup:
+            raise ValueError(f"node names must be unique across racks, duplicated: {dup}")
+        return self
+
+
+class ProfilingPolicy(_Strict):
+    estimator: Literal["seed", "shape"] = "seed"
+    """Memory estimate: `seed` (in*200 + out*1500 KB) or `shape` (KV bytes per token from the model shape)."""
+    cjk_chars_per_token: float = Field(default=1.5, gt=0, le=16)
+    """Fast token estimator: CJK characters per token."""
+    latin_chars_per_token: float = Field(default=4.0, gt=0, le=32)
+    """Fast token estimator: other characters per token."""
+
+
+class RouterPolicy(_Strict):
+    policy: Literal["rack-affinity"] = "rack-affinity"
+    """Rack choice: consistent hash of user_id over the racks serving the model, with bounded load."""
+    virtual_nodes: int = Field(default=160, ge=1, le=10_000)
+    """Points per rack on the hash ring."""
+    load_bound: float = Field(default=1.25, ge=1.0, le=100.0)
+    """A rack whose load exceeds load_bound x the mean rack load is skipped (walk the ring)."""
+
+
+class NodeSelectionPolicy(_Strict):
+    policy: Literal["weighted-random"] = "weighted-random"
+    """Node choice inside a rack: weighted random on the live node weight W."""
+    refresh_ms: int = Field(default=200, ge=10, le=60_000)
+    """How often node weights are refreshed from the nodes' live status."""
+    latency_decay_per_ms: float = Field(default=0.05, ge=0, le=10)
+    """The 0.05 of exp(-0.05 * avg_latency_ms) in W."""
+
+
+class BatcherPolicy(_Strict):
+    window_ms: int = Field(default=100, ge=1, le=60_000)
+    """Window length; a bound, not a forced wait (windows close early when a node is idle or the budget is full)."""
+    mem_budget_fraction: float = Field(default=0.9, gt=0, le=1.0)
+    """Cap of a batch's estimated memory as a fraction of the node's GPU memory (72 GB of 80 GB = 0.9)."""
+    age_after_windows: int = Field(default=5, ge=1, le=10_000)
+    """A request that waited this many windows is packed first and may reserve a node (no starvation)."""
+    close_when_node_idle: bool = True
+    """Close the window at once when a node of the rack has no running sequence."""
+
+
+class WorkerPolicy(_Strict):
+    engine: Literal["sim", "torch", "vllm"] = "sim"
+    """Default engine of `rackflow worker`."""
+    token_flush_ms: int = Field(default=50, ge=0, le=10_000)
+    """Tokens generated within this interval are sent to the client stream as one entry (0: every step)."""
+    status_interval_ms: int = Field(default=200, ge=10, le=60_000)
+    """How often the worker publishes its live status (HealthEvent + status hash)."""
+    max_running: int = Field(default=256, ge=1, le=100_000)
+    """Most sequences an engine runs at once."""
+
+
+class StreamsPolicy(_Strict):
+    retention_s: int = Field(default=86_400, ge=60, le=90 * 86_400)
+    """Streams are trimmed by age (XADD MINID) to this retention."""
+    claim_idle_ms: int = Field(default=10_000, ge=100, le=3_600_000)
+    """A pending entry idle this long (its consumer died) is claimed by another consumer."""
+    max_deliveries: int = Field(default=5, ge=1, le=1000)
+    """An entry delivered more often than this goes to the dead-letter stream."""
+    read_count: int = Field(default=128, ge=1, le=100_000)
+    """Entries per XREADGROUP."""
+    block_ms: int = Field(default=200, ge=1, le=60_000)
+    """XREADGROUP BLOCK timeout."""
+
+
+class Policies(_Strict):
+    profiling: ProfilingPolicy = ProfilingPolicy()
+    router: RouterPolicy = RouterPolicy()
+    node_selection: NodeSelectionPolicy = NodeSelectionPolicy()
+    batcher: BatcherPolicy = BatcherPolicy()
+    worker: WorkerPolicy = WorkerPolicy()
+    streams: StreamsPolicy = StreamsPolicy()
+    seed: int = Field(default=20231116, ge=0, le=2**63 - 1)
+    """Seed of every random choice (weighted random dispatch); replay reproduces decisions with it."""
+
+
+class RackflowConfig(_Strict):
+    gpus: dict[str, GpuSpec]
+    models: dict[str, ModelSpec]
+    cluster: ClusterSpec
+    policies: Policies = Policies()
+
+    @model_validator(mode="after")
+    def _references(self) -> RackflowConfig:
+        for rack in self.cluster.racks:
+            for node in rack.expanded():
+                if node.gpu not in self.gpus:
+                    raise ValueError(
+                        f"rack {rack.name} node {node.name}: unknown gpu {node.gpu!r}; "
+                        f"allowed: {', '.join(sorted(self.gpus))}"
+                    )
+                for m in node.models:
+                    if m not in self.models:
+                        raise ValueError(
+                            f"rack {rack.name} node {node.name}: unknown model {m!r}; "
+                            f"allowed: {', '.join(sorted(self.models))}"
+                        )
+                    need = self.models[m].weight_bytes / node.tp
+                    have = self.gpus[node.gpu].memory_gb * 1e9
+                    if need >= have * self.policies.batcher.mem_budget_fraction:
+                        raise ValueError(
+                            f"node {node.name}: {m} needs {need / 1e9:.0f} GB of weights per GPU at tp={node.tp} "
+                            f"but {node.gpu} has {have / 1e9:.0f} GB; raise tp to at least "
+                            f"{math.ceil(self.models[m].weight_bytes / (have * 0.8))}"
+                        )
+        return self
+
+    # -- derived views ---------------------------------------------------------------------------------------
+    def nodes(self) -> tuple[NodeSpec, ...]:
+        return tuple(n for r in self.cluster.racks for n in r.expanded())
+
+    def rack_of(self, node: str) -> str:
+        for r in self.cluster.racks:
+            if any(n.name == node for n in r.expanded()):
+                return r.name
+        raise KeyError(f"unknown node {node!r}; nodes: {', '.join(n.name for n in self.nodes())}")
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes():
+            if n.name == name:
+                return n
+        raise KeyError(f"unknown node {name!r}; nodes: {', '.join(n.name for n in self.nodes())}")
+
+    def rack_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.cluster.racks)
+
+    def racks_serving(self, model: str) -> tuple[str, ...]:
+        return tuple(r.name for r in self.cluster.racks if any(model in n.models for n in r.expanded()))
+
+    def node_mem_budget_kb(self, node: str) -> float:
+        """The batcher's memory cap for one node: mem_budget_fraction of its GPU memory x tp, in KB."""
+        spec = self.node(node)
+        gpu = self.gpus[spec.gpu]
+        return gpu.memory_gb * 1e6 * spec.tp * self.policies.batcher.mem_budget_fraction
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def raw_config(config_dir: Path = DEFAULT_CONFIG_DIR, overrides: Iterable[Path] = ()) -> dict[str, Any]:
+    """The merged YAML as plain data: `config_dir/{gpus,models,cluster,policies}.yaml`, then each override file
+    (a YAML with any of the top-level keys gpus/models/cluster/policies) merged on top."""
+    raw: dict[str, Any] = {}
+    for name in CONFIG_FILES:
+        path = config_dir / name
+        if path.exists():
+            raw[name.removesuffix(".yaml")] = _read_yaml(path)
+    for path in overrides:
+        over = _read_yaml(Path(path))
+        unknown = sorted(set(over) - {"gpus", "models", "cluster", "policies"})
+        if unknown:
+            raise ConfigError(f"{path}: unknown top-level keys {unknown}; allowed: gpus, models, cluster, policies")
+        raw = _deep_merge(raw, over)
+    return raw
+
+
+def parse_config(raw: Mapping[str, Any], source: str = "config") -> RackflowConfig:
+    """Validate plain data into a RackflowConfig; errors name every bad field path and what is allowed."""
+    try:
+        return RackflowConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            got = err.get("input")
+            shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+            lines.append(f"  {path}: {msg}{shown}")
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+
+def load_config(config_dir: Path = DEFAULT_CONFIG_DIR, overrides: Iterable[Path] = ()) -> RackflowConfig:
+    overrides = list(overrides)
+    src = ", ".join([str(config_dir), *map(str, overrides)])
+    return parse_config(raw_config(config_dir, overrides), source=f"config ({src})")

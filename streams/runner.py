@@ -1,0 +1,370 @@
+"""Consumer-group runner and producer for Redis Streams (ARCHITECTURE §6: at-least-once, dead letters).
+
+The runner owns the read/ack/claim loop of one consumer in one group on one stream:
+- XREADGROUP in batches with BLOCK; the handler gets the decoded deliveries; entries are XACKed after the handler
+  returns (after the effect), except those the handler `defer()`s: it acks them later with `ack()`, and until
+  then the runner keeps them alive with XCLAIM JUSTID (resets idle time, not the delivery count);
+- on start it first re-reads its own pending entries (a restart under the same consumer name loses nothing);
+- XAUTOCLAIM of entries idle longer than `claim_idle_ms` (their consumer died, e.g. `kill -9`);
+- an entry that does not decode, or that was delivered more than `max_deliveries` times, goes to the dead-letter
+  stream with the reason and the original fields, and is acknowledged: a bad entry never stops a consumer;
+- a handler error is retried entry by entry, so one poison entry cannot hold back the others of its batch;
+- `stop()` (SIGTERM) ends the loop after the current batch; deferred entries stay pending for a successor.
+It never decides what an event means: that is the handler's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipeline.events import Event
+from streams import codec, keys
+from streams.errors import DecodeError, TransientStreamError
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, TransientStreamError)
+
+
+def connect(url: str, **kwargs: Any) -> aioredis.Redis:
+    """An asyncio client that retries transient failures with jittered exponential backoff."""
+    return aioredis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=8),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError],
+        health_check_interval=30,
+        **kwargs,
+    )
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def minid_for(now_ms: float, retention_ms: int) -> str:
+    return f"{max(0, int(now_ms) - retention_ms)}-0"
+
+
+@dataclass(slots=True)
+class Delivery:
+    stream: str
+    id: str
+    event: Event
+    fields: dict[bytes, bytes]
+    deliveries: int = 1
+    deferred: bool = False
+
+    def defer(self) -> None:
+        """The handler acknowledges this entry later (runner.ack), when its effect is complete."""
+        self.deferred = True
+
+
+Handler = Callable[[list[Delivery]], Awaitable[None]]
+NowMs = Callable[[], float]
+
+
+class StreamProducer:
+    """XADD with trimming by age (MINID ~) and pipelining of many entries in one round trip."""
+
+    def __init__(self, r: aioredis.Redis, now_ms: NowMs, retention_ms: int) -> None:
+        self.r = r
+        self.now_ms = now_ms
+        self.retention_ms = retention_ms
+
+    async def add(self, stream: str, event: Event) -> str:
+        return _s(
+            await self.r.xadd(
+                stream, codec.encode(event), minid=minid_for(self.now_ms(), self.retention_ms), approximate=True
+            )
+        )
+
+    async def add_many(self, items: Iterable[tuple[str, Event]]) -> list[str]:
+        minid = minid_for(self.now_ms(), self.retention_ms)
+        pipe = self.r.pipeline(transaction=False)
+        n = 0
+        for stream, event in items:
+            pipe.xadd(stream, codec.encode(event), minid=minid, approximate=True)  # type: ignore[arg-type]
+            n += 1
+        if not n:
+            return []
+        return [_s(x) for x in await pipe.execute()]
+
+
+async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
+    """Create the group at the start of the stream (entries written before the first consumer are not lost)."""
+    try:
+        await r.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+async def dead_letter(
+    r: aioredis.Redis,
+    *,
+    stream: str,
+    group: str,
+    consumer: str,
+    entry_id: str,
+    fields: dict[Any, Any] | None,
+    reason: str,
+    now_ms: float,
+    retention_ms: int,
+) -> None:
+    entry = {
+        b"stream": stream.encode(),
+        b"id": entry_id.encode(),
+        b"group": group.encode(),
+        b"consumer": consumer.encode(),
+        b"reason": reason.encode("utf-8", "replace")[:4096],
+        b"ts_ms": str(int(now_ms)).encode(),
+        b"fields": codec.encode_fields_for_dlq(fields or {}),
+    }
+    await r.xadd(keys.DLQ, entry, minid=minid_for(now_ms, retention_ms), approximate=True)  # type: ignore[arg-type]
+
+
+@dataclass
+class RunnerStats:
+    delivered: int = 0
+    acked: int = 0
+    claimed: int = 0
+    dead_lettered: int = 0
+    handler_errors: int = 0
+
+
+class StreamConsumer:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        handler: Handler,
+        *,
+        now_ms: NowMs,
+        count: int = 128,
+        block_ms: int = 200,
+        claim_idle_ms: int = 10_000,
+        max_deliveries: int = 5,
+        retention_ms: int = 86_400_000,
+    ) -> None:
+        self.r = r
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.handler = handler
+        self.now_ms = now_ms
+        self.count = count
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self.retention_ms = retention_ms
+        self.stats = RunnerStats()
+        self._stopping = asyncio.Event()
+        self._deferred: set[str] = set()
+        self._backoff = 0.05
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    # -- public ------------------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def deferred(self) -> int:
+        return len(self._deferred)
+
+    async def ack(self, ids: Sequence[str]) -> None:
+        if not ids:
+            return
+        await self.r.xack(self.stream, self.group, *ids)
+        self._deferred.difference_update(ids)
+        self.stats.acked += len(ids)
+
+    async def run(self) -> None:
+        """Read until stop(). Deferred entries keep their heartbeat after the loop ends (a draining worker
+        finishing what it holds), until close()."""
+        await ensure_group(self.r, self.stream, self.group)
+        claim = asyncio.create_task(self._claim_loop())
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+        try:
+            await self._guarded(self._read_own_pending)
+            while not self._stopping.is_set():
+                await self._guarded(self._read_new)
+        finally:
+            claim.cancel()
+            await asyncio.gather(claim, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop the heartbeat of deferred entries (they become claimable by others after claim_idle_ms)."""
+        self._stopping.set()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+            self._heartbeat = None
+
+    # -- loops -------------------------------------------------------------------------------------------------
+    async def _guarded(self, step: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await step()
+            self._backoff = 0.05
+        except TRANSIENT as e:
+            delay = self._backoff * (1 + random.random())
+            log.warning("%s/%s: server unavailable (%s); retrying in %.2fs", self.stream, self.consumer, e, delay)
+            await asyncio.sleep(delay)
+            self._backoff = min(self._backoff * 2, 5.0)
+
+    async def _read_own_pending(self) -> None:
+        start = "0-0"
+        while not self._stopping.is_set():
+            resp = await self.r.xreadgroup(self.group, self.consumer, {self.stream: start}, count=self.count)
+            entries = resp[0][1] if resp else []
+            if not entries:
+                return
+            await self._process(entries, redelivered=True)
+            start = _s(entries[-1][0])
+
+    async def _read_new(self) -> None:
+        resp = await self.r.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=self.count, block=self.block_ms
+        )
+        if resp:
+            await self._process(resp[0][1], redelivered=False)
+
+    async def _claim_loop(self) -> None:
+        interval = max(0.05, self.claim_idle_ms / 2000.0)
+        while not self._stopping.is_set():
+            await asyncio.sleep(interval)
+            try:
+                await self.claim_once()
+            except TRANSIENT as e:
+                log.warning("%s: claim failed (%s)", self.stream, e)
+            except Exception:
+                log.exception("%s: claim loop error", self.stream)
+
+    async def claim_once(self) -> int:
+        """Claim entries idle past claim_idle_ms from any consumer of the group; returns how many."""
+        cursor = "0-0"
+        total = 0
+        while True:
+            resp = await self.r.xautoclaim(
+                self.stream, self.group, self.consumer, self.claim_idle_ms, start_id=cursor, count=self.count
+            )
+            cursor = _s(resp[0])
+            entries = [(i, f) for i, f in resp[1] if f is not None]
+            if entries:
+                total += len(entries)
+                self.stats.claimed += len(entries)
+                log.info("%s: claimed %d idle entries for %s", self.stream, len(entries), self.consumer)
+                await self._process(entries, redelivered=True)
+            if cursor == "0-0":
+                return total
+
+    async def _heartbeat_loop(self) -> None:
+        interval = max(0.05, self.claim_idle_ms / 3000.0)
+        while True:
+            await asyncio.sleep(interval)
+            ids = list(self._deferred)
+            if not ids:
+                continue
+            try:
+                await self.r.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+            except TRANSIENT as e:
+                log.warning("%s: heartbeat of %d in-flight entries failed (%s)", self.stream, len(ids), e)
+
+    # -- processing --------------------------------------------------------------------------------------------
+    async def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
+        if not ids:
+            return {}
+        rows = await self.r.xpending_range(
+            self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 1000, consumername=self.consumer
+        )
+        return {_s(row["message_id"]): int(row["times_delivered"]) for row in rows}
+
+    async def _dead_letter(self, entry_id: str, fields: dict[Any, Any] | None, reason: str) -> None:
+        await dead_letter(
+            self.r,
+            stream=self.stream,
+            group=self.group,
+            consumer=self.consumer,
+            entry_id=entry_id,
+            fields=fields,
+            reason=reason,
+            now_ms=self.now_ms(),
+            retention_ms=self.retention_ms,
+        )
+        await self.r.xack(self.stream, self.group, entry_id)
+        self.stats.dead_lettered += 1
+        log.warning("%s: entry %s dead-lettered: %s", self.stream, entry_id, reason)
+
+    async def _process(self, entries: list[tuple[Any, Any]], *, redelivered: bool) -> None:
+        counts: dict[str, int] = {}
+        if redelivered:
+            counts = await self._delivery_counts([_s(i) for i, _ in entries])
+        batch: list[Delivery] = []
+        gone: list[str] = []
+        for raw_id, fields in entries:
+            entry_id = _s(raw_id)
+            if fields is None:  # trimmed away while pending
+                gone.append(entry_id)
+                continue
+            n = counts.get(entry_id, 1)
+            if entry_id in self._deferred:
+                continue  # our own in-flight entry came back through the PEL: still being worked on
+            if n > self.max_deliveries:
+                await self._dead_letter(entry_id, fields, f"delivered {n} times (max {self.max_deliveries})")
+                continue
+            try:
+                event = codec.decode(fields)
+            except DecodeError as e:
+                await self._dead_letter(entry_id, fields, str(e))
+                continue
+            batch.append(Delivery(self.stream, entry_id, event, dict(fields), n))
+        if gone:
+            await self.ack(gone)
+        if not batch:
+            return
+        self.stats.delivered += len(batch)
+        try:
+            await self.handler(batch)
+        except TRANSIENT:
+            raise
+        except Exception:
+            self.stats.handler_errors += 1
+            if len(batch) == 1:
+                log.exception("%s: handler failed on %s; left pending for retry", self.stream, batch[0].id)
+                return
+            log.exception("%s: handler failed on a batch of %d; retrying one by one", self.stream, len(batch))
+            for d in batch:
+                d.deferred = False
+                try:
+                    await self.handler([d])
+                except TRANSIENT:
+                    raise
+                except Exception:
+                    log.exception("%s: handler failed on %s; left pending for retry", self.stream, d.id)
+                    continue
+                await self._settle([d])
+            return
+        await self._settle(batch)
+
+    async def _settle(self, batch: list[Delivery]) -> None:
+        done = [d.id for d in batch if not d.deferred]
+        self._deferred.update(d.id for d in batch if d.deferred)
+        await self.ack(done)

@@ -1,0 +1,168 @@
+"""Windowing batcher process for one rack (`rackflow batcher --rack R`): consumer group "batcher" on
+`rf:rack:{R}:req`.
+
+Requests are held in the WindowBatcher (their stream entries deferred, so a batcher that dies loses nothing: its
+pending entries are claimed by another batcher of the rack). When the window closes, each BatchPlan becomes a
+BatchEvent appended to `rf:node:{N}:batch` plus a DecisionEvent; only then are the requests acknowledged.
+Requests that can never fit get an error result. Node views come from the live status with this batcher's own
+in-flight reservations subtracted (ReservationLedger).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+
+from pipeline.batching.ledger import ReservationLedger
+from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
+from pipeline.config import RackflowConfig
+from pipeline.events import BatchEvent, DecisionEvent, RequestEvent
+from pipeline.routing.registry import NODE_POLICIES, lookup
+from pipeline.routing.views import NodeView
+from streams import keys
+from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers.cluster_view import ClusterView
+from workers.etcd_store import NodeRegistry
+from workers.results import ResultWriter
+from workers.router import error_result
+from workers.runtime import WALL, consumer_name
+
+log = logging.getLogger(__name__)
+
+
+class Batcher:
+    def __init__(self, config: RackflowConfig, rack: str, redis_url: str, etcd_url: str) -> None:
+        if rack not in config.rack_names():
+            raise ValueError(f"unknown rack {rack!r}; racks: {', '.join(config.rack_names())}")
+        self.config = config
+        self.rack = rack
+        pol = config.policies
+        selector_cls = lookup(NODE_POLICIES, "node", pol.node_selection.policy)
+        # One seeded random source per rack: replaying the same inputs reproduces the same choices.
+        self.rng = random.Random(f"{pol.seed}:{rack}")
+        caps = {n.name: config.node_mem_budget_kb(n.name) for n in config.cluster.racks[
+            config.rack_names().index(rack)].expanded()}
+        self.window = WindowBatcher(pol.batcher, selector_cls(pol.node_selection.latency_decay_per_ms, self.rng), caps)
+        self.ledger = ReservationLedger()
+        self.r = connect(redis_url)
+        self.registry = NodeRegistry(etcd_url)
+        self.view = ClusterView(config, self.r, self.registry)
+        retention_ms = pol.streams.retention_s * 1000
+        self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
+        self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
+        self.consumer = StreamConsumer(
+            self.r, keys.rack_requests(rack), keys.GROUP_BATCHER, consumer_name(f"batcher-{rack}"),
+            self._on_requests, now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=50,
+            claim_idle_ms=pol.streams.claim_idle_ms, max_deliveries=pol.streams.max_deliveries,
+            retention_ms=retention_ms,
+        )
+        self._lock = asyncio.Lock()
+        self._arrived = asyncio.Event()
+        self._held: set[str] = set()
+        self.batches = 0
+        self.dispatched = 0
+
+    async def _on_requests(self, deliveries: list[Delivery]) -> None:
+        now = WALL.now_ms()
+        async with self._lock:
+            for d in deliveries:
+                req = d.event
+                if not isinstance(req, RequestEvent):
+                    raise TypeError(f"expected a request on {d.stream}, got {type(req).__name__}")
+                d.defer()
+                if d.id in self._held:
+                    continue  # redelivery of an entry already waiting in the window
+                self._held.add(d.id)
+                self.window.offer(PendingRequest(req, d.id, now))
+        self._arrived.set()
+
+    def node_views(self, now: float) -> list[NodeView]:
+        views = []
+        for v in self.view.node_views(now, self.rack):
+            status = self.view.statuses.get(v.name)
+            views.append(self.ledger.apply(v, status.last_batch_entry if status else ""))
+        return views
+
+    async def tick(self) -> CloseReason:
+        async with self._lock:
+            now = WALL.now_ms()
+            nodes = self.node_views(now)
+            reason = self.window.close_reason(now, nodes)
+            if reason in (CloseReason.EMPTY, CloseReason.NOT_YET):
+                return reason
+            outcome = self.window.close(now, nodes)
+            window_open = now if self.window.window_open_ms is None else self.window.window_open_ms
+            for plan in outcome.plans:
+                batch = BatchEvent(
+                    batch_id=str(uuid.uuid4()), rack=self.rack, node=plan.node,
+                    requests=tuple(p.request for p in plan.requests), mem_est_kb=plan.mem_est_kb,
+                    mem_budget_kb=plan.budget_kb, window_open_ms=window_open, created_ms=now,
+                )
+                entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
+                self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests))
+                await self.producer.add(keys.DECISIONS, DecisionEvent(
+                    kind="dispatch", policy=self.window.selector.name, choice=plan.node,
+                    request_ids=batch_ids(batch), ts_ms=now, scores=dict(plan.probabilities), draw=plan.draw,
+                    batch_id=batch.batch_id,
+                ))
+                ids = [p.entry_id for p in plan.requests]
+                await self.consumer.ack(ids)
+                self._held.difference_update(ids)
+                self.batches += 1
+                self.dispatched += len(plan.requests)
+                log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
+                          batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation, reason.value)
+            for rej in outcome.rejections:
+                await self.results.write(error_result(rej.pending.request, rej.reason, rack=self.rack))
+                await self.consumer.ack([rej.pending.entry_id])
+                self._held.discard(rej.pending.entry_id)
+            return reason
+
+    async def _tick_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("rack %s: window tick failed", self.rack)
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=0.01)
+            except TimeoutError:
+                pass
+
+    async def _refresh_loop(self, stop: asyncio.Event) -> None:
+        interval = self.config.policies.node_selection.refresh_ms / 1000.0
+        while not stop.is_set():
+            try:
+                await self.view.refresh()
+            except Exception as e:
+                log.warning("rack %s: cluster view refresh failed: %s", self.rack, e)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except TimeoutError:
+                pass
+
+    async def run(self, stop: asyncio.Event) -> int:
+        await self.view.refresh()
+        tasks = [
+            asyncio.create_task(self._refresh_loop(stop)),
+            asyncio.create_task(self._tick_loop(stop)),
+            asyncio.create_task(self.consumer.run()),
+        ]
+        log.info("batcher for rack %s ready", self.rack)
+        await stop.wait()
+        self.consumer.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Requests still in the window stay pending in the stream: another batcher of the rack claims them.
+        await self.consumer.close()
+        await self.registry.close(revoke=False)
+        await self.r.aclose()
+        log.info("batcher %s stopped (%d batches, %d requests, %d left pending)", self.rack, self.batches,
+                 self.dispatched, len(self.window.pending))
+        return 0
+
+
+def batch_ids(batch: BatchEvent) -> tuple[str, ...]:
+    return tuple(r.request_id for r in batch.requests)

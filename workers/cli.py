@@ -1,0 +1,304 @@
+"""`rackflow` command line: services, the role processes, the whole local cluster, the demo.
+
+Connection URLs come from --redis-url/--etcd-url, else RACKFLOW_REDIS_URL/RACKFLOW_ETCD_URL, else the embedded
+services started by `rackflow services up` (`.rackflow/services.json`). Everything else comes from configs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import DEFAULT_CONFIG_DIR, ConfigError, RackflowConfig, load_config
+from workers.runtime import run_until_signalled, setup_logging
+
+log = logging.getLogger("rackflow")
+
+STATE_DIR = Path(".rackflow")
+
+
+def _config(args: argparse.Namespace) -> RackflowConfig:
+    return load_config(Path(args.config_dir), [Path(p) for p in args.config])
+
+
+def _config_args(args: argparse.Namespace) -> list[str]:
+    out = ["--config-dir", str(Path(args.config_dir).resolve())]
+    for p in args.config:
+        out += ["--config", str(Path(p).resolve())]
+    return out
+
+
+def _endpoints(args: argparse.Namespace) -> tuple[str, str]:
+    from workers.services import resolve_endpoints
+
+    ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
+    if ep is None:
+        raise SystemExit(
+            "rackflow: no Redis/etcd to use. Start the embedded ones with `rackflow services up`, or pass "
+            "--redis-url/--etcd-url (or set RACKFLOW_REDIS_URL/RACKFLOW_ETCD_URL)."
+        )
+    return ep.redis_url, ep.etcd_url
+
+
+# -- services ------------------------------------------------------------------------------------------------------
+def cmd_services(args: argparse.Namespace) -> int:
+    from workers.services import EmbeddedServices, ServiceError
+
+    svc = EmbeddedServices(STATE_DIR)
+    if args.action == "up":
+        try:
+            ep = svc.start()
+        except ServiceError as e:
+            print(f"rackflow services up: {e}", file=sys.stderr)
+            return 1
+        print(f"valkey  {ep.redis_url}\netcd    {ep.etcd_url}\nstate   {STATE_DIR / 'services.json'}")
+        print("export RACKFLOW_REDIS_URL=%s RACKFLOW_ETCD_URL=%s" % (ep.redis_url, ep.etcd_url))
+        return 0
+    if args.action == "down":
+        stopped = svc.stop()
+        print("stopped valkey and etcd" if stopped else "no embedded services were running")
+        return 0
+    st = svc.status()
+    if args.json:
+        print(json.dumps(st, sort_keys=True))
+    else:
+        if not st.get("running"):
+            print("embedded services: not running (start them with `rackflow services up`)")
+        for name in ("redis", "etcd"):
+            s = st.get(name) or {}
+            if s:
+                state = "healthy" if s.get("healthy") else ("alive, not answering" if s.get("alive") else "down")
+                print(f"{'valkey' if name == 'redis' else 'etcd':<7} {state:<10} {s.get('url')}  pid {s.get('pid')}")
+    healthy = bool(st.get("running")) and all((st.get(n) or {}).get("healthy") for n in ("redis", "etcd"))
+    return 0 if healthy else 1
+
+
+# -- roles ---------------------------------------------------------------------------------------------------------
+def cmd_router(args: argparse.Namespace) -> int:
+    from workers.router import Router
+
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging(args.log_level, "router")
+    return run_until_signalled(lambda stop: Router(config, redis_url, etcd_url).run(stop))
+
+
+def cmd_batcher(args: argparse.Namespace) -> int:
+    from workers.batcher import Batcher
+
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging(args.log_level, f"batcher-{args.rack}")
+    return run_until_signalled(lambda stop: Batcher(config, args.rack, redis_url, etcd_url).run(stop))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.worker import Worker
+
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging(args.log_level, f"worker-{args.node}")
+    engine = args.engine or config.policies.worker.engine
+    return run_until_signalled(
+        lambda stop: Worker(config, args.node, engine, redis_url, etcd_url, grace_s=args.grace).run(stop)
+    )
+
+
+class _LocalCluster:
+    """Services (unless URLs are given) + role processes, stopped in reverse order."""
+
+    def __init__(self, args: argparse.Namespace, state_dir: Path) -> None:
+        from workers.services import EmbeddedServices, resolve_endpoints
+
+        self.args = args
+        self.config = _config(args)
+        self.services: EmbeddedServices | None = None
+        ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
+        if ep is None:
+            self.services = EmbeddedServices(state_dir)
+            ep = self.services.start()
+        self.redis_url, self.etcd_url = ep.redis_url, ep.etcd_url
+        from workers.launcher import ClusterProcesses
+
+        self.procs = ClusterProcesses(
+            self.config, self.redis_url, self.etcd_url, state_dir / "logs", _config_args(args),
+            engine=getattr(args, "engine", None) or self.config.policies.worker.engine, log_level=args.log_level,
+        )
+
+    def start(self) -> None:
+        try:
+            self.procs.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        try:
+            self.procs.stop()
+        finally:
+            if self.services is not None:
+                self.services.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, "up")
+    cluster = _LocalCluster(args, STATE_DIR / "up")
+    interrupted = []
+    signal.signal(signal.SIGTERM, lambda *_: interrupted.append(1))
+    try:
+        cluster.start()
+        n = len(cluster.procs.procs)
+        print(f"rackflow up: {n} processes (router, {len(cluster.config.rack_names())} batchers, "
+              f"{len(cluster.config.nodes())} workers); redis {cluster.redis_url} etcd {cluster.etcd_url}")
+        print(f"logs in {STATE_DIR / 'up' / 'logs'}; Ctrl-C stops everything")
+        while not interrupted:
+            dead = cluster.procs.dead()
+            if dead:
+                print(f"rackflow up: {dead[0].name} exited with {dead[0].proc.returncode}; see {dead[0].log_path}",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("rackflow up: stopping", file=sys.stderr)
+        cluster.stop()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from workers.demo import DemoRun, dump_json, format_report, write_plot
+
+    setup_logging("WARNING" if args.json else args.log_level, "demo")
+    trace = Path(args.trace)
+    if not trace.exists():
+        print(f"rackflow demo: trace file {trace} not found; pass --trace PATH to an Azure-format CSV",
+              file=sys.stderr)
+        return 2
+    state = STATE_DIR / "demo"
+    cluster = _LocalCluster(args, state)
+    report: dict[str, Any]
+    try:
+        cluster.start()
+        print(f"rackflow demo: {len(cluster.procs.procs)} processes starting; redis {cluster.redis_url}",
+              file=sys.stderr)
+        run = DemoRun(
+            cluster.config, cluster.redis_url, cluster.etcd_url, trace, args.requests, args.speedup,
+            args.model, cluster.config.policies.seed, progress=not args.no_progress,
+        )
+        asyncio.run(run.wait_ready())
+        report = asyncio.run(run.run())
+    finally:
+        cluster.stop()
+    plot = Path(args.out) / "demo.png"
+    write_plot(report, plot)
+    report["plot"] = str(plot)
+    from workers.demo import public
+
+    (Path(args.out) / "demo.json").write_text(json.dumps(public(report), indent=2, sort_keys=True))
+    print(dump_json(report) if args.json else format_report(report))
+    ok = report["completed"] == report["submitted"] and report["lost"] == 0 and report["duplicates"] == 0
+    return 0 if ok else 1
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    config = _config(args)
+    nodes = config.nodes()
+    print(f"config OK: {len(config.cluster.racks)} racks, {len(nodes)} nodes, models {', '.join(config.models)}")
+    for r in config.cluster.racks:
+        for n in r.expanded():
+            print(f"  {r.name}/{n.name}: {n.gpu} x{n.tp} serving {', '.join(n.models)}; batch budget "
+                  f"{config.node_mem_budget_kb(n.name) / 1e6:.1f} GB")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from workers.bench import run_bench
+
+    return run_bench(args, _endpoints_or_none(args))
+
+
+def _endpoints_or_none(args: argparse.Namespace) -> tuple[str, str] | None:
+    from workers.services import resolve_endpoints
+
+    ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
+    return (ep.redis_url, ep.etcd_url) if ep else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rackflow", description=__doc__.split("\n")[0])
+    p.add_argument("--config-dir", default=str(DEFAULT_CONFIG_DIR), help="directory of gpus/models/cluster/"
+                   "policies.yaml (default: the repository's configs/)")
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML merged over the config directory (keys gpus, models, cluster, policies); repeatable")
+    p.add_argument("--redis-url", default=None, help="existing Redis/Valkey (default: env RACKFLOW_REDIS_URL, "
+                   "else the embedded services)")
+    p.add_argument("--etcd-url", default=None, help="existing etcd, http://HOST:PORT (default: env "
+                   "RACKFLOW_ETCD_URL, else the embedded services)")
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("services", help="embedded Valkey + etcd on free loopback ports")
+    s.add_argument("action", choices=["up", "down", "status"])
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_services)
+
+    s = sub.add_parser("router", help="run the router (consumer group 'router' on rf:ingress)")
+    s.set_defaults(fn=cmd_router)
+    s = sub.add_parser("batcher", help="run the windowing batcher of one rack")
+    s.add_argument("--rack", required=True)
+    s.set_defaults(fn=cmd_batcher)
+    s = sub.add_parser("worker", help="run the GPU worker of one node")
+    s.add_argument("--node", required=True)
+    s.add_argument("--engine", choices=["sim"], default=None)
+    s.add_argument("--grace", type=float, default=30.0, help="seconds to finish live sequences on SIGTERM")
+    s.set_defaults(fn=cmd_worker)
+
+    s = sub.add_parser("up", help="services + router + a batcher per rack + a worker per node; Ctrl-C stops")
+    s.add_argument("--engine", choices=["sim"], default=None)
+    s.set_defaults(fn=cmd_up)
+
+    s = sub.add_parser("demo", help="run the local cluster on the Azure conversation trace and report")
+    s.add_argument("--trace", default=str(Path(__file__).resolve().parent.parent / "data" / "traces" /
+                                          "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"))
+    s.add_argument("--requests", type=int, default=2000)
+    s.add_argument("--speedup", type=float, default=10.0, help="time compression of the trace's arrivals")
+    s.add_argument("--model", default="qwen2-7b")
+    s.add_argument("--out", default="report", help="directory for demo.png and demo.json")
+    s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--engine", choices=["sim"], default=None)
+    s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("config", help="validate and summarise the configuration")
+    s.add_argument("action", choices=["check"])
+    s.set_defaults(fn=cmd_config)
+
+    s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
+    s.add_argument("what", choices=["streams"])
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--entries", type=int, default=20000)
+    s.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except ConfigError as e:
+        print(f"rackflow: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

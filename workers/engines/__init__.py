@@ -1,0 +1,16 @@
+"""Engines behind one interface: `sim` (cost-model timing), later `torch` (a real small transformer) and `vllm`."""
+
+from __future__ import annotations
+
+from workers.engines.base import Engine, EngineStats, SeqFinished, StepOutput, TokenOut
+
+
+def make_engine(name: str, **kwargs: object) -> Engine:
+    if name == "sim":
+        from workers.engines.sim import SimEngine
+
+        return SimEngine(**kwargs)  # type: ignore[arg-type]
+    raise ValueError(f"engine {name!r} is not available in this build; available: sim")
+
+
+__all__ = ["Engine", "EngineStats", "SeqFinished", "StepOutput", "TokenOut", "make_engine"]

@@ -1,0 +1,127 @@
+"""Router process (`rackflow router`): consumer group "router" on `rf:ingress`.
+
+For each request: pick the rack with the rack-affinity policy over the live rack views, append the routed request
+to `rf:rack:{R}:req` and the decision to `rf:decisions` in one pipelined round trip, then acknowledge. When no rack
+serving the model is healthy it waits (the request stays pending) up to `no_rack_wait_s`, then answers the client
+with an error result instead of dropping the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from pipeline.config import RackflowConfig
+from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
+from pipeline.routing.rack_affinity import RackAffinityRouter
+from pipeline.routing.registry import ROUTER_POLICIES, lookup
+from pipeline.routing.views import RackView
+from streams import keys
+from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers.cluster_view import ClusterView
+from workers.etcd_store import NodeRegistry
+from workers.results import ResultWriter
+from workers.runtime import WALL, consumer_name
+
+log = logging.getLogger(__name__)
+
+
+def error_result(req: RequestEvent, message: str, node: str = "", rack: str = "") -> ResultEvent:
+    now = WALL.now_ms()
+    return ResultEvent(
+        request_id=req.request_id, version=req.version, tenant=req.tenant, user_id=req.user_id, model=req.model,
+        status="error", node=node, rack=rack or (req.rack or ""), in_tokens=req.in_tokens, out_tokens=0,
+        arrival_ms=req.arrival_ms, finish_ms=now, error=message,
+    )
+
+
+class Router:
+    def __init__(self, config: RackflowConfig, redis_url: str, etcd_url: str, no_rack_wait_s: float = 30.0) -> None:
+        self.config = config
+        pol = config.policies
+        cls = lookup(ROUTER_POLICIES, "router", pol.router.policy)
+        racks_by_model = {m: config.racks_serving(m) for m in config.models}
+        self.policy: RackAffinityRouter = cls(racks_by_model, pol.router.virtual_nodes, pol.router.load_bound)
+        self.r = connect(redis_url)
+        self.registry = NodeRegistry(etcd_url)
+        self.view = ClusterView(config, self.r, self.registry)
+        retention_ms = pol.streams.retention_s * 1000
+        self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
+        self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
+        self.no_rack_wait_s = no_rack_wait_s
+        self.consumer = StreamConsumer(
+            self.r, keys.INGRESS, keys.GROUP_ROUTER, consumer_name("router"), self._on_requests,
+            now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=pol.streams.block_ms,
+            claim_idle_ms=pol.streams.claim_idle_ms, max_deliveries=pol.streams.max_deliveries,
+            retention_ms=retention_ms,
+        )
+        self.routed = 0
+
+    async def _racks(self) -> dict[str, RackView]:
+        return self.view.rack_views(WALL.now_ms())
+
+    async def _on_requests(self, deliveries: list[Delivery]) -> None:
+        now = WALL.now_ms()
+        racks = await self._racks()
+        extra: dict[str, float] = {}
+        out: list[tuple[str, object]] = []
+        errors: list[ResultEvent] = []
+        waited = 0.0
+        for d in deliveries:
+            req = d.event
+            if not isinstance(req, RequestEvent):
+                raise TypeError(f"expected a request on {d.stream}, got {type(req).__name__}")
+            if not self.config.racks_serving(req.model):
+                errors.append(error_result(req, f"model {req.model!r} is not served by any rack; served: "
+                                                f"{', '.join(self.policy.models())}"))
+                continue
+            while True:
+                views = {k: dataclasses.replace(v, load=v.load + extra.get(k, 0.0)) for k, v in racks.items()}
+                decision = self.policy.route(req.user_id, req.model, views)
+                if decision.rack is not None or waited >= self.no_rack_wait_s:
+                    break
+                await asyncio.sleep(0.2)  # no healthy rack yet (cluster starting, or every rack down)
+                waited += 0.2
+                await self.view.refresh(with_backlog=True)
+                racks = await self._racks()
+            if decision.rack is None:
+                errors.append(error_result(req, f"no healthy rack serves model {req.model!r}; retry later"))
+                continue
+            extra[decision.rack] = extra.get(decision.rack, 0.0) + 1.0
+            routed = dataclasses.replace(req, rack=decision.rack, routed_ms=now)
+            out.append((keys.rack_requests(decision.rack), routed))
+            out.append((keys.DECISIONS, DecisionEvent(
+                kind="route", policy=self.policy.name, choice=decision.rack, request_ids=(req.request_id,),
+                ts_ms=now, scores={k: v.load for k, v in views.items()}, draw=-1.0,
+            )))
+        await self.producer.add_many(out)  # type: ignore[arg-type]
+        for e in errors:
+            await self.results.write(e)
+        self.routed += len(out) // 2
+
+    async def _refresh_loop(self, stop: asyncio.Event) -> None:
+        interval = self.config.policies.node_selection.refresh_ms / 1000.0
+        while not stop.is_set():
+            try:
+                await self.view.refresh(with_backlog=True)
+            except Exception as e:
+                log.warning("router: cluster view refresh failed: %s", e)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except TimeoutError:
+                pass
+
+    async def run(self, stop: asyncio.Event) -> int:
+        await self.view.refresh(with_backlog=True)
+        refresh = asyncio.create_task(self._refresh_loop(stop))
+        consume = asyncio.create_task(self.consumer.run())
+        log.info("router ready (policy %s)", self.policy.name)
+        await stop.wait()
+        self.consumer.stop()
+        await asyncio.gather(consume, refresh, return_exceptions=True)
+        await self.consumer.close()
+        await self.registry.close(revoke=False)
+        await self.r.aclose()
+        log.info("router stopped (%d routed)", self.routed)
+        return 0

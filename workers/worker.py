@@ -1,0 +1,293 @@
+"""GPU worker process for one node (`rackflow worker --node N --engine sim`).
+
+Consumes `rf:node:{N}:batch` (group "worker"), feeds every request of a batch to the engine, streams tokens to
+`rf:out:{id}` (coalesced per `token_flush_ms`), writes each final result once, and acknowledges a batch entry only
+when every request in it has its final result (the effect). It publishes its live status (HealthEvent) to the node
+status hash and `rf:health`, and keeps `/rackflow/nodes/{N}` alive in etcd under a lease.
+On SIGTERM it stops taking batches, marks itself draining, finishes what it holds (up to a grace period) and exits;
+what it could not finish stays pending in the stream for its successor (XAUTOCLAIM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+
+from pipeline.batching.ledger import stream_id_key
+from pipeline.config import RackflowConfig
+from pipeline.costmodel import RooflineCostModel
+from pipeline.events import BatchEvent, HealthEvent, RequestEvent, ResultEvent, TokenEvent
+from streams import codec, keys
+from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers.engines import Engine, StepOutput
+from workers.engines.sim import SimEngine
+from workers.etcd_store import NodeRegistry
+from workers.results import ResultWriter
+from workers.runtime import WALL, consumer_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Live:
+    req: RequestEvent
+    batch_id: str
+    batched_ms: float
+    entry_id: str
+    pending_tokens: list[tuple[int, int, str]] = field(default_factory=list)  # (index, token_id, text)
+    text: list[str] = field(default_factory=list)
+
+
+def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
+    spec = config.node(node)
+    model = config.models[spec.models[0]]
+    gpu = config.gpus[spec.gpu]
+    if engine == "sim":
+        return SimEngine(
+            cost=RooflineCostModel(gpu, model, spec.tp),
+            kv_capacity_kb=config.node_mem_budget_kb(node),
+            max_running=config.policies.worker.max_running,
+            now_ms=WALL.now_ms,
+        )
+    raise ValueError(f"engine {engine!r} not available; available: sim")
+
+
+class Worker:
+    def __init__(
+        self, config: RackflowConfig, node: str, engine_name: str, redis_url: str, etcd_url: str,
+        grace_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.node = node
+        self.rack = config.rack_of(node)
+        self.engine_name = engine_name
+        self.engine = build_engine(config, node, engine_name)
+        self.redis_url = redis_url
+        self.etcd_url = etcd_url
+        self.grace_s = grace_s
+        sp = config.policies.streams
+        self.r = connect(redis_url)
+        self.retention_ms = sp.retention_s * 1000
+        self.producer = StreamProducer(self.r, WALL.now_ms, self.retention_ms)
+        self.results = ResultWriter(self.r, WALL.now_ms, self.retention_ms)
+        self.registry = NodeRegistry(etcd_url)
+        self.consumer = StreamConsumer(
+            self.r,
+            keys.node_batches(node),
+            keys.GROUP_WORKER,
+            consumer_name(f"worker-{node}"),
+            self._on_batches,
+            now_ms=WALL.now_ms,
+            count=16,
+            block_ms=sp.block_ms,
+            claim_idle_ms=sp.claim_idle_ms,
+            max_deliveries=sp.max_deliveries,
+            retention_ms=self.retention_ms,
+        )
+        self.live: dict[str, _Live] = {}
+        self.batch_left: dict[str, set[str]] = {}
+        self.last_batch_entry = ""
+        self._wake = asyncio.Event()
+        self.completed = 0
+
+    # -- intake ------------------------------------------------------------------------------------------------
+    async def _on_batches(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            batch = d.event
+            if not isinstance(batch, BatchEvent):
+                raise TypeError(f"expected a batch on {d.stream}, got {type(batch).__name__}")
+            if batch.node != self.node:
+                log.warning("batch %s addressed to %s arrived at %s", batch.batch_id, batch.node, self.node)
+            ids = [r.request_id for r in batch.requests]
+            done = await self.results.done_among(ids)
+            left: set[str] = set()
+            for req in batch.requests:
+                rid = req.request_id
+                if rid in done:
+                    continue  # redelivered batch: this request already has its final result
+                if rid in self.live:
+                    left.add(rid)  # already running here from an earlier delivery; finishing it settles both
+                    continue
+                self.live[rid] = _Live(req, batch.batch_id, batch.created_ms, d.id)
+                self.engine.submit(req)
+                left.add(rid)
+            if left:
+                self.batch_left[d.id] = left
+                d.defer()
+            if stream_id_key(d.id) > stream_id_key(self.last_batch_entry):
+                self.last_batch_entry = d.id
+        self._wake.set()
+
+    # -- engine loop -------------------------------------------------------------------------------------------
+    async def _engine_loop(self, stop: asyncio.Event) -> None:
+        flush_ms = self.config.policies.worker.token_flush_ms
+        last_flush = WALL.now_ms()
+        while True:
+            if not self.engine.has_work():
+                if stop.is_set():
+                    return
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.2)
+                except TimeoutError:
+                    pass
+                continue
+            out = await self.engine.step()
+            await self._handle_output(out, flush_all=False)
+            now = WALL.now_ms()
+            if now - last_flush >= flush_ms:
+                await self._flush_tokens()
+                last_flush = now
+
+    async def _handle_output(self, out: StepOutput, flush_all: bool) -> None:
+        first: list[str] = []
+        for t in out.tokens:
+            live = self.live.get(t.request_id)
+            if live is None:
+                continue
+            live.pending_tokens.append((t.index, t.token_id, t.text))
+            live.text.append(t.text)
+            if t.index == 0:
+                first.append(t.request_id)
+        if first:  # the first token goes out at once: it is the client's time to first token
+            await self._flush_tokens(only=first)
+        for f in out.finished:
+            live = self.live.get(f.request_id)
+            if live is None:
+                continue
+            await self._flush_tokens(only=[f.request_id])
+            result = ResultEvent(
+                request_id=live.req.request_id,
+                version=live.req.version,
+                tenant=live.req.tenant,
+                user_id=live.req.user_id,
+                model=live.req.model,
+                status="ok",
+                node=self.node,
+                rack=self.rack,
+                in_tokens=live.req.in_tokens,
+                out_tokens=f.out_tokens,
+                arrival_ms=live.req.arrival_ms,
+                finish_ms=f.finish_ms,
+                batch_id=live.batch_id,
+                text="".join(live.text),
+                batched_ms=live.batched_ms,
+                start_ms=f.start_ms,
+                first_token_ms=f.first_token_ms,
+            )
+            await self.results.write(result)
+            self.completed += 1
+            del self.live[f.request_id]
+            await self._settle(f.request_id)
+
+    async def _settle(self, request_id: str) -> None:
+        acks = []
+        for entry_id, left in list(self.batch_left.items()):
+            left.discard(request_id)
+            if not left:
+                del self.batch_left[entry_id]
+                acks.append(entry_id)
+        await self.consumer.ack(acks)
+
+    async def _flush_tokens(self, only: list[str] | None = None) -> None:
+        now = WALL.now_ms()
+        events = []
+        for rid in only if only is not None else list(self.live):
+            live = self.live.get(rid)
+            if live is None or not live.pending_tokens:
+                continue
+            toks = live.pending_tokens
+            events.append(
+                TokenEvent(
+                    request_id=rid,
+                    version=live.req.version,
+                    index=toks[0][0],
+                    token_ids=tuple(t[1] for t in toks),
+                    text="".join(t[2] for t in toks),
+                    ts_ms=now,
+                    node=self.node,
+                )
+            )
+            live.pending_tokens = []
+        await self.results.stream_tokens(events)
+
+    # -- status ------------------------------------------------------------------------------------------------
+    def health_event(self) -> HealthEvent:
+        s = self.engine.stats()
+        return HealthEvent(
+            node=self.node,
+            rack=self.rack,
+            ts_ms=WALL.now_ms(),
+            source="worker",
+            gpu_mem_total_gb=s.gpu_mem_total_gb,
+            gpu_mem_free_gb=s.gpu_mem_free_gb,
+            kv_capacity_kb=s.kv_capacity_kb,
+            kv_used_kb=s.kv_used_kb,
+            avg_latency_ms=s.avg_step_ms,
+            running=s.running,
+            waiting=s.waiting,
+            last_batch_entry=self.last_batch_entry,
+        )
+
+    async def publish_status(self) -> None:
+        ev = self.health_event()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(keys.node_status(self.node), mapping=codec.encode(ev))  # type: ignore[arg-type]
+        pipe.xadd(keys.HEALTH, codec.encode(ev), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+        await pipe.execute()
+
+    async def _status_loop(self, stop: asyncio.Event) -> None:
+        interval = self.config.policies.worker.status_interval_ms / 1000.0
+        while not stop.is_set():
+            try:
+                await self.publish_status()
+            except Exception as e:
+                log.warning("node %s: status publish failed: %s", self.node, e)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except TimeoutError:
+                pass
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> int:
+        await self.registry.register(
+            self.node, {"rack": self.rack, "engine": self.engine_name, "pid": os.getpid(), "since": WALL.now_ms()}
+        )
+        engine_stop = asyncio.Event()
+        status_stop = asyncio.Event()
+        await self.publish_status()
+        tasks = [
+            asyncio.create_task(self.consumer.run(), name="consume"),
+            asyncio.create_task(self._engine_loop(engine_stop), name="engine"),
+            asyncio.create_task(self._status_loop(status_stop), name="status"),
+        ]
+        log.info("worker %s (rack %s, engine %s) ready", self.node, self.rack, self.engine_name)
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t is not stopper and t.exception() is not None:
+                log.error("worker %s: task %s failed: %r", self.node, t.get_name(), t.exception())
+        log.info("worker %s: stopping; draining %d live sequences", self.node, len(self.live))
+        self.consumer.stop()
+        try:
+            await self.registry.set_state("draining")
+        except Exception as e:
+            log.warning("node %s: could not mark draining: %s", self.node, e)
+        engine_stop.set()
+        try:
+            await asyncio.wait_for(tasks[1], timeout=self.grace_s)
+        except TimeoutError:
+            log.warning("worker %s: %d sequences left after %.0fs grace; they stay pending for a successor",
+                        self.node, len(self.live), self.grace_s)
+        status_stop.set()
+        stopper.cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, stopper, return_exceptions=True)
+        await self.consumer.close()
+        await self.registry.close()
+        await self.r.aclose()
+        log.info("worker %s stopped (%d completed)", self.node, self.completed)
+        return 0
