@@ -50,13 +50,12 @@ async def _bench_streams(redis_url: str, n: int, repeats: int = 3) -> dict[str, 
             for i in range(0, n, 500):
                 await producer.add_many((stream, e) for e in events[i : i + 500])
             xadd.append(n / (time.perf_counter() - t))
-            seen = 0
+            seen = [0]
             finished = asyncio.Event()
 
-            async def handle(ds: list[Delivery]) -> None:
-                nonlocal seen
-                seen += len(ds)
-                if seen >= n:
+            async def handle(ds: list[Delivery], seen: list[int] = seen, finished: asyncio.Event = finished) -> None:
+                seen[0] += len(ds)
+                if seen[0] >= n:
                     finished.set()
 
             consumer = StreamConsumer(r, stream, "bench", f"c{rep}", handle, now_ms=WALL.now_ms, count=500,

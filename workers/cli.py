@@ -59,7 +59,7 @@ def cmd_services(args: argparse.Namespace) -> int:
             print(f"rackflow services up: {e}", file=sys.stderr)
             return 1
         print(f"valkey  {ep.redis_url}\netcd    {ep.etcd_url}\nstate   {STATE_DIR / 'services.json'}")
-        print("export RACKFLOW_REDIS_URL=%s RACKFLOW_ETCD_URL=%s" % (ep.redis_url, ep.etcd_url))
+        print(f"export RACKFLOW_REDIS_URL={ep.redis_url} RACKFLOW_ETCD_URL={ep.etcd_url}")
         return 0
     if args.action == "down":
         stopped = svc.stop()

@@ -83,6 +83,11 @@ class NodeRegistry:
             await asyncio.sleep(interval)
             try:
                 await self._lease.refresh()
+                # Re-put under our lease: another process of the same node (hot swap) may have taken the key
+                # with its own lease, and when that one dies the key must not vanish while we are alive.
+                await self.client.put(
+                    keys.etcd_node(self._node or "").encode(), json.dumps(self._info).encode(), lease=self._lease
+                )
             except Exception as e:  # keep trying: a transient etcd outage must not kill the worker
                 log.warning("node %s: lease refresh failed: %s", self._node, e)
                 try:  # the lease may have expired meanwhile: register again with a fresh one

@@ -18,7 +18,10 @@ from pipeline.events import RequestEvent
 from pipeline.routing.hashring import stable_hash64
 from workers.engines.base import EngineStats, SeqFinished, StepOutput, TokenOut
 
-_WORDS = ["the", "of", "and", "to", "in", "is", "for", "on", "that", "with", "as", "it", "by", "at", "from", "this", "be", "are", "or", "an", "was", "not", "which", "have", "but", "can", "all", "cluster", "rack", "node", "token", "batch", "cache", "memory", "stream", "request", "model", "window", "budget", "weight", "latency", "health"]
+_WORDS = (
+    "the of and to in is for on that with as it by at from this be are or an was not which have but can all "
+    "cluster rack node token batch cache memory stream request model window budget weight latency health"
+).split()
 
 
 def placeholder_token(request_id: str, index: int, vocab: int) -> tuple[int, str]:

@@ -1,0 +1,70 @@
+"""Shared fixtures: REAL Valkey and etcd, started once per session on free loopback ports (or existing servers
+given with --redis-url / --etcd-url; their DB is flushed between tests, so point them at scratch servers only)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from workers.services import EmbeddedServices, ServiceEndpoints
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--redis-url", default=os.environ.get("RACKFLOW_TEST_REDIS_URL"),
+                     help="use this (scratch!) Redis/Valkey instead of starting one; it is flushed between tests")
+    parser.addoption("--etcd-url", default=os.environ.get("RACKFLOW_TEST_ETCD_URL"),
+                     help="use this (scratch!) etcd instead of starting one; /rackflow/ is deleted between tests")
+
+
+@pytest.fixture(scope="session")
+def services(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceEndpoints]:
+    redis_url = request.config.getoption("--redis-url")
+    etcd_url = request.config.getoption("--etcd-url")
+    if redis_url and etcd_url:
+        yield ServiceEndpoints(redis_url, etcd_url)
+        return
+    svc = EmbeddedServices(tmp_path_factory.mktemp("services"))
+    ep = svc.start()
+    try:
+        yield ServiceEndpoints(redis_url or ep.redis_url, etcd_url or ep.etcd_url)
+    finally:
+        svc.stop()
+
+
+async def _clean(ep: ServiceEndpoints) -> None:
+    import redis.asyncio as aioredis
+
+    from workers.etcd_store import NodeRegistry
+
+    r = aioredis.Redis.from_url(ep.redis_url)
+    await r.flushdb()
+    await r.aclose()
+    reg = NodeRegistry(ep.etcd_url)
+    await reg.client.delete_prefix(b"/rackflow/")
+    await reg.close(revoke=False)
+
+
+@pytest.fixture
+def clean_services(services: ServiceEndpoints) -> ServiceEndpoints:
+    """The session's servers, emptied of everything rackflow wrote before this test."""
+    asyncio.run(_clean(services))
+    return services
+
+
+@pytest.fixture
+def config_file(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Write a YAML override merged over configs/ and return its path."""
+    import yaml
+
+    def write(data: dict, name: str = "override.yaml") -> Path:  # type: ignore[type-arg]
+        p = tmp_path / name
+        p.write_text(yaml.safe_dump(data))
+        return p
+
+    return write

@@ -1,0 +1,218 @@
+"""The consumer-group runner against a real Valkey: dead letters, poison entries, claiming, heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from pipeline.events import RequestEvent
+from streams import codec, keys
+from streams.runner import Delivery, StreamConsumer, StreamProducer
+from workers.runtime import WALL
+
+pytestmark = pytest.mark.integration
+
+
+def req(i: int) -> RequestEvent:
+    return RequestEvent(
+        request_id=f"req-{i}", version=1, tenant="t", user_id="u", model="qwen2-7b", in_tokens=10, out_tokens=5,
+        max_tokens=5, mem_est_kb=100.0, arrival_ms=1.0,
+    )
+
+
+def consumer(r: aioredis.Redis, stream: str, name: str, handler: Callable[[list[Delivery]], Awaitable[None]],
+             **kw: int) -> StreamConsumer:
+    opts = {"count": 10, "block_ms": 20, "claim_idle_ms": 400, "max_deliveries": 3}
+    opts.update(kw)
+    return StreamConsumer(r, stream, "g", name, handler, now_ms=WALL.now_ms, **opts)
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+async def pending_count(r: aioredis.Redis, stream: str) -> int:
+    return int((await r.xpending(stream, "g"))["pending"])
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_malformed_entries_go_to_dlq_and_consumer_continues(clean_services):  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        stream = f"rf:test:{uuid.uuid4().hex}"
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        bad = [
+            {b"junk": b"1"},
+            {b"v": b"9", b"t": b"request", b"d": b""},
+            {b"v": b"1", b"t": b"nope", b"d": msgpack.packb({})},
+            {b"v": b"1", b"t": b"request", b"d": b"\xc1\xc1"},
+            {b"v": b"1", b"t": b"request", b"d": msgpack.packb({"request_id": 5})},
+        ]
+        await producer.add(stream, req(0))
+        for f in bad:
+            await r.xadd(stream, f)
+        await producer.add_many([(stream, req(1)), (stream, req(2))])
+        seen: list[str] = []
+
+        async def handle(ds: list[Delivery]) -> None:
+            seen.extend(d.event.request_id for d in ds)  # type: ignore[union-attr]
+
+        c = consumer(r, stream, "c1", handle)
+        task = asyncio.create_task(c.run())
+        await until(lambda: len(seen) == 3)
+        await until(lambda: c.stats.dead_lettered == len(bad))
+        c.stop()
+        await task
+        await c.close()
+        assert seen == ["req-0", "req-1", "req-2"]
+        dlq = await r.xrange(keys.DLQ)
+        assert len(dlq) == len(bad)
+        reasons = [e[1][b"reason"].decode() for e in dlq]
+        assert "missing field 'v'" in reasons[0]
+        assert "version 9 not supported" in reasons[1]
+        assert "unknown event type 'nope'" in reasons[2]
+        assert "not valid msgpack" in reasons[3]
+        assert "request_id" in reasons[4] and "expected a string" in reasons[4]
+        # the original bytes are kept
+        assert msgpack.unpackb(dlq[3][1][b"fields"]) == bad[3]
+        assert all(e[1][b"stream"] == stream.encode() for e in dlq)
+        assert await pending_count(r, stream) == 0
+        await r.aclose()
+
+    run(body())
+
+
+def test_poison_entry_dead_lettered_after_max_deliveries(clean_services):  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        stream = f"rf:test:{uuid.uuid4().hex}"
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        await producer.add_many([(stream, req(i)) for i in range(5)])
+        handled: list[str] = []
+        attempts = 0
+
+        async def handle(ds: list[Delivery]) -> None:
+            nonlocal attempts
+            for d in ds:
+                assert isinstance(d.event, RequestEvent)
+                if d.event.request_id == "req-3":
+                    attempts += 1
+                    raise RuntimeError("handler bug on this entry")
+            handled.extend(d.event.request_id for d in ds)  # type: ignore[union-attr]
+
+        c = consumer(r, stream, "c1", handle, claim_idle_ms=200, max_deliveries=3)
+        task = asyncio.create_task(c.run())
+        await until(lambda: c.stats.dead_lettered == 1, timeout_s=15)
+        c.stop()
+        await task
+        await c.close()
+        assert sorted(handled) == ["req-0", "req-1", "req-2", "req-4"]
+        # first batch attempt + one-by-one retry, then two more deliveries by claim
+        assert attempts >= 3
+        dlq = await r.xrange(keys.DLQ)
+        assert len(dlq) == 1 and b"delivered 4 times (max 3)" in dlq[0][1][b"reason"]
+        assert codec.decode(msgpack.unpackb(dlq[0][1][b"fields"])).request_id == "req-3"  # type: ignore[union-attr]
+        assert await pending_count(r, stream) == 0
+        await r.aclose()
+
+    run(body())
+
+
+def test_entries_of_a_dead_consumer_are_claimed(clean_services):  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        stream = f"rf:test:{uuid.uuid4().hex}"
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        await r.xgroup_create(stream, "g", id="0", mkstream=True)
+        await producer.add_many([(stream, req(i)) for i in range(6)])
+        # "dead" consumer: read 4 entries and never acknowledge them (as if killed right after XREADGROUP)
+        await r.xreadgroup("g", "dead", {stream: ">"}, count=4)
+        handled: list[str] = []
+
+        async def handle(ds: list[Delivery]) -> None:
+            handled.extend(d.event.request_id for d in ds)  # type: ignore[union-attr]
+
+        c = consumer(r, stream, "alive", handle, claim_idle_ms=300)
+        task = asyncio.create_task(c.run())
+        await until(lambda: len(handled) == 6)
+        c.stop()
+        await task
+        await c.close()
+        assert sorted(handled) == [f"req-{i}" for i in range(6)]
+        assert c.stats.claimed == 4
+        assert await pending_count(r, stream) == 0
+        await r.aclose()
+
+    run(body())
+
+
+def test_deferred_entries_are_kept_alive_and_not_stolen(clean_services):  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        stream = f"rf:test:{uuid.uuid4().hex}"
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        await producer.add(stream, req(0))
+        held: list[Delivery] = []
+        stolen: list[str] = []
+
+        async def hold(ds: list[Delivery]) -> None:
+            for d in ds:
+                d.defer()
+                held.append(d)
+
+        async def steal(ds: list[Delivery]) -> None:
+            stolen.extend(d.id for d in ds)
+
+        owner = consumer(r, stream, "owner", hold, claim_idle_ms=300)
+        other = consumer(r, stream, "other", steal, claim_idle_ms=300)
+        t1 = asyncio.create_task(owner.run())
+        await until(lambda: len(held) == 1)
+        t2 = asyncio.create_task(other.run())
+        await asyncio.sleep(1.5)  # 5x the claim timeout: without the heartbeat "other" would claim it
+        assert stolen == []
+        await owner.ack([held[0].id])
+        assert await pending_count(r, stream) == 0
+        for c, t in ((owner, t1), (other, t2)):
+            c.stop()
+            await t
+            await c.close()
+        await r.aclose()
+
+    run(body())
+
+
+def test_restart_under_same_name_rereads_own_pending(clean_services):  # type: ignore[no-untyped-def]
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        stream = f"rf:test:{uuid.uuid4().hex}"
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        await r.xgroup_create(stream, "g", id="0", mkstream=True)
+        await producer.add_many([(stream, req(i)) for i in range(3)])
+        await r.xreadgroup("g", "w1", {stream: ">"}, count=3)  # delivered, then the process restarted
+        handled: list[str] = []
+
+        async def handle(ds: list[Delivery]) -> None:
+            handled.extend(d.event.request_id for d in ds)  # type: ignore[union-attr]
+
+        c = consumer(r, stream, "w1", handle, claim_idle_ms=60_000)  # no claim: only the own-PEL read
+        task = asyncio.create_task(c.run())
+        await until(lambda: len(handled) == 3)
+        c.stop()
+        await task
+        await c.close()
+        assert await pending_count(r, stream) == 0
+        await r.aclose()
+
+    run(body())
