@@ -239,26 +239,31 @@ class RackflowConfig(_Strict):
 
     @model_validator(mode="after")
     def _references(self) -> RackflowConfig:
-        for rack in self.cluster.racks:
-            for node in rack.expanded():
+        for i, rack in enumerate(self.cluster.racks):
+            for j, node in enumerate(rack.expanded()):
+                where = f"cluster.racks.{i}.nodes.{j}" if rack.nodes else f"cluster.racks.{i}.node"
                 if node.gpu not in self.gpus:
                     raise ValueError(
-                        f"rack {rack.name} node {node.name}: unknown gpu {node.gpu!r}; "
+                        f"{where}.gpu (rack {rack.name}, node {node.name}): unknown gpu {node.gpu!r}; "
                         f"allowed: {', '.join(sorted(self.gpus))}"
                     )
                 for m in node.models:
                     if m not in self.models:
                         raise ValueError(
-                            f"rack {rack.name} node {node.name}: unknown model {m!r}; "
+                            f"{where}.models (rack {rack.name}, node {node.name}): unknown model {m!r}; "
                             f"allowed: {', '.join(sorted(self.models))}"
                         )
                     need = self.models[m].weight_bytes / node.tp
                     have = self.gpus[node.gpu].memory_gb * 1e9
-                    if need >= have * self.policies.batcher.mem_budget_fraction:
+                    usable = have * self.policies.batcher.mem_budget_fraction
+                    if need >= usable:
+                        min_tp = math.floor(self.models[m].weight_bytes / usable) + 1
                         raise ValueError(
-                            f"node {node.name}: {m} needs {need / 1e9:.0f} GB of weights per GPU at tp={node.tp} "
-                            f"but {node.gpu} has {have / 1e9:.0f} GB; raise tp to at least "
-                            f"{math.ceil(self.models[m].weight_bytes / (have * 0.8))}"
+                            f"{where}.tp (node {node.name}): {m} needs {need / 1e9:.0f} GB of weights per GPU "
+                            f"at tp={node.tp} "
+                            f"but {node.gpu} has {usable / 1e9:.0f} GB usable "
+                            f"({self.policies.batcher.mem_budget_fraction:g} of {have / 1e9:.0f} GB); "
+                            f"raise tp to at least {min_tp}"
                         )
         return self
 
@@ -339,11 +344,11 @@ def parse_config(raw: Mapping[str, Any], source: str = "config") -> RackflowConf
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            path = ".".join(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             got = err.get("input")
-            shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
-            lines.append(f"  {path}: {msg}{shown}")
+            shown = "" if isinstance(got, dict | list | tuple) or got is None or not path else f" (got {got!r})"
+            lines.append(f"  {path}: {msg}{shown}" if path else f"  {msg}")
         raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
 
 

@@ -239,7 +239,7 @@ def _check(tname: str, path: str, value: Any, ann: Any) -> Any:
         try:
             return from_wire(ann, value)
         except EventValidationError as e:
-            raise EventValidationError(tname, f"{path}.{e.path}", e.reason) from None
+            raise EventValidationError(tname, f"{path}.{e.path}" if e.path else path, e.reason) from None
     raise TypeError(f"events: unsupported annotation {ann!r} at {tname}.{path}")  # our mistake, not the sender's
 
 

@@ -68,3 +68,38 @@ def config_file(tmp_path: Path):  # type: ignore[no-untyped-def]
         return p
 
     return write
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """Live (non-zombie) processes whose parent chain leads to `pid`, with their command lines."""
+    parents: dict[int, int] = {}
+    cmd: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] == "Z":
+                continue
+            parents[int(d.name)] = int(fields[1])
+            cmd[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+    out = []
+    for p in parents:
+        q = parents.get(p)
+        while q is not None and q != pid:
+            q = parents.get(q)
+        if q == pid:
+            out.append((p, cmd.get(p, "")))
+    return out
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite must leave no process behind (servers, role processes)."""
+    left = [(p, c) for p, c in _descendants(os.getpid()) if any(
+        k in c for k in ("valkey-server", "etcd", "workers.cli", "rackflow"))]
+    if left:
+        print("\nprocesses left behind by the test session:\n" + "\n".join(f"  {p} {c[:150]}" for p, c in left))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -92,8 +92,8 @@ class Batcher:
             reason = self.window.close_reason(now, nodes)
             if reason in (CloseReason.EMPTY, CloseReason.NOT_YET):
                 return reason
+            window_open = self.window.window_open_ms if self.window.window_open_ms is not None else now
             outcome = self.window.close(now, nodes)
-            window_open = now if self.window.window_open_ms is None else self.window.window_open_ms
             for plan in outcome.plans:
                 batch = BatchEvent(
                     batch_id=str(uuid.uuid4()), rack=self.rack, node=plan.node,

@@ -141,8 +141,12 @@ class WindowBatcher:
         views = {n.name: n for n in nodes}
         reserved: str | None = None
         if aged and budgets and not any(aged[0].request.mem_est_kb <= b for b in budgets.values()):
-            reserved = max(sorted(budgets), key=lambda n: budgets[n])
-            del budgets[reserved]
+            # Reserve a node that can EVER hold it (cap >= its size), the one closest to holding it now.
+            need = aged[0].request.mem_est_kb
+            able = [n for n in sorted(budgets) if self.node_caps_kb.get(n, 0.0) >= need]
+            if able:
+                reserved = max(able, key=lambda n: budgets[n])
+                del budgets[reserved]
         plans: list[BatchPlan] = []
         stop = StopReason.ALL_PACKED
         while order:

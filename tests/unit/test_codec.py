@@ -248,8 +248,6 @@ def test_bad_nested_request_in_batch_is_a_decode_error_naming_requests_index() -
     assert "batch.requests: expected a list, got dict" in reason(entry("batch", wire))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a nested event that is not a mapping is reported at path "
-                                       "'requests[0].' (trailing dot, events._check joins an empty sub-path)")
 def test_nested_request_that_is_not_a_mapping_is_reported_at_its_exact_path() -> None:
     batch = BatchEvent("b1", "r0", "r0-n0", (request(),), 1.0, 2.0, 0.0, 0.0)
     wire = to_wire(batch)

@@ -1,0 +1,185 @@
+"""Configuration: the repository's configs load, and every bad value fails with its field path and what is allowed."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pipeline.config import DEFAULT_CONFIG_DIR, ConfigError, load_config, parse_config, raw_config
+from tests.unit.builders import config
+
+
+def base() -> dict[str, Any]:
+    return copy.deepcopy(raw_config())
+
+
+def error_of(raw: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as exc:
+        parse_config(raw)
+    return str(exc.value)
+
+
+def test_repository_config_loads_with_two_racks_of_four_h100_nodes() -> None:
+    cfg = config()
+    assert cfg.rack_names() == ("r0", "r1")
+    assert [n.name for n in cfg.nodes()] == [f"r{r}-n{i}" for r in range(2) for i in range(4)]
+    assert cfg.racks_serving("qwen2-7b") == ("r0", "r1")
+    assert cfg.rack_of("r1-n2") == "r1"
+    assert cfg.node_mem_budget_kb("r0-n0") == pytest.approx(72e6)  # 0.9 x 80 GB, in KB
+    assert cfg.policies.batcher.window_ms == 100
+
+
+def test_unknown_gpu_type_names_the_node_and_lists_allowed_types() -> None:
+    raw = base()
+    raw["cluster"]["racks"][1]["node"]["gpu"] = "b200-192gb"
+    msg = error_of(raw)
+    assert "r1-n0" in msg and "unknown gpu 'b200-192gb'" in msg
+    assert "allowed: a100-80gb, h100-80gb, h200-141gb" in msg
+
+
+def test_unknown_model_on_a_node_lists_allowed_models() -> None:
+    raw = base()
+    raw["cluster"]["racks"][0]["node"]["models"] = ["qwen3-8b"]
+    msg = error_of(raw)
+    assert "unknown model 'qwen3-8b'" in msg and "qwen2-7b" in msg
+
+
+def test_negative_memory_names_the_gpu_field_path() -> None:
+    raw = base()
+    raw["gpus"]["h100-80gb"]["memory_gb"] = -80
+    msg = error_of(raw)
+    assert "gpus.h100-80gb.memory_gb" in msg
+    assert "greater than 0" in msg and "(got -80)" in msg
+
+
+def test_unknown_policy_name_lists_the_allowed_literal() -> None:
+    raw = base()
+    raw["policies"]["router"]["policy"] = "foo"
+    msg = error_of(raw)
+    assert "policies.router.policy" in msg
+    assert "'rack-affinity'" in msg and "(got 'foo')" in msg
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        (lambda r: r["policies"]["batcher"], "policies.batcher.windw_ms"),
+        (lambda r: r["gpus"]["a100-80gb"], "gpus.a100-80gb.windw_ms"),
+        (lambda r: r["cluster"]["racks"][0], "cluster.racks.0.windw_ms"),
+        (lambda r: r, "windw_ms"),
+    ],
+)
+def test_extra_unknown_field_is_forbidden_at_every_level(where: Any, path: str) -> None:
+    raw = base()
+    where(raw)["windw_ms"] = 50
+    msg = error_of(raw)
+    assert path in msg and "Extra inputs are not permitted" in msg
+
+
+def test_rack_with_both_nodes_and_node_count_is_rejected() -> None:
+    raw = base()
+    raw["cluster"]["racks"][0]["nodes"] = [{"name": "x0", "gpu": "h100-80gb", "models": ["qwen2-7b"]}]
+    msg = error_of(raw)
+    assert "cluster.racks.0" in msg and "either `nodes` or `node_count` + `node`, not both" in msg
+
+
+def test_rack_with_neither_form_is_rejected() -> None:
+    raw = base()
+    del raw["cluster"]["racks"][0]["node_count"]
+    assert "a rack needs `nodes` or both `node_count` and `node`" in error_of(raw)
+
+
+def test_duplicate_node_names_across_racks_are_rejected() -> None:
+    raw = base()
+    raw["cluster"]["racks"].append(
+        {"name": "r2", "nodes": [{"name": "r0-n1", "gpu": "h200-141gb", "models": ["qwen2-7b"]}]}
+    )
+    msg = error_of(raw)
+    assert "node names must be unique" in msg and "r0-n1" in msg
+
+
+def test_duplicate_rack_names_are_rejected() -> None:
+    raw = base()
+    raw["cluster"]["racks"][1]["name"] = "r0"
+    assert "rack names must be unique" in error_of(raw)
+
+
+def test_72b_model_on_one_80gb_gpu_at_tp1_asks_to_raise_tp() -> None:
+    raw = base()
+    raw["cluster"]["racks"][0]["node"]["models"] = ["qwen2-72b"]
+    msg = error_of(raw)
+    assert "qwen2-72b needs 145 GB of weights per GPU at tp=1" in msg
+    assert "raise tp to at least 3" in msg
+    raw["cluster"]["racks"][0]["node"]["tp"] = 3
+    assert parse_config(raw).node("r0-n0").tp == 3
+
+
+def test_the_tp_suggested_for_a_too_large_model_is_enough() -> None:
+    raw = base()
+    raw["policies"]["batcher"]["mem_budget_fraction"] = 0.5
+    raw["cluster"]["racks"][0]["node"]["models"] = ["qwen2-72b"]
+    msg = error_of(raw)
+    suggested = int(msg.split("raise tp to at least ")[1].split()[0])
+    raw["cluster"]["racks"][0]["node"]["tp"] = suggested
+    parse_config(raw)
+
+
+def test_override_file_merges_over_the_repository_config(tmp_path: Path) -> None:
+    over = tmp_path / "fast.yaml"
+    over.write_text(yaml.safe_dump({"policies": {"batcher": {"window_ms": 25}}}))
+    cfg = load_config(DEFAULT_CONFIG_DIR, [over])
+    assert cfg.policies.batcher.window_ms == 25
+    assert cfg.policies.batcher.age_after_windows == config().policies.batcher.age_after_windows  # siblings kept
+    assert cfg.cluster == config().cluster
+
+
+def test_override_file_with_a_bad_value_names_the_field_and_the_file(tmp_path: Path) -> None:
+    over = tmp_path / "bad.yaml"
+    over.write_text(yaml.safe_dump({"policies": {"batcher": {"window_ms": 0}}}))
+    with pytest.raises(ConfigError) as exc:
+        load_config(DEFAULT_CONFIG_DIR, [over])
+    assert "policies.batcher.window_ms" in str(exc.value) and str(over) in str(exc.value)
+
+
+def test_override_file_with_unknown_top_level_key_is_rejected(tmp_path: Path) -> None:
+    over = tmp_path / "typo.yaml"
+    over.write_text(yaml.safe_dump({"policy": {"seed": 1}}))
+    with pytest.raises(ConfigError, match="unknown top-level keys"):
+        load_config(DEFAULT_CONFIG_DIR, [over])
+
+
+def test_invalid_yaml_gives_config_error_naming_the_file(tmp_path: Path) -> None:
+    over = tmp_path / "broken.yaml"
+    over.write_text("policies: {batcher: [window_ms: 1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(DEFAULT_CONFIG_DIR, [over])
+    assert str(over) in str(exc.value) and "not valid YAML" in str(exc.value)
+
+
+def test_missing_override_file_gives_config_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cannot read config file .*nope\.yaml"):
+        load_config(DEFAULT_CONFIG_DIR, [tmp_path / "nope.yaml"])
+
+
+def test_kv_bytes_per_token_of_qwen2_7b_is_2_x_layers_x_kv_heads_x_head_dim_x_2_bytes() -> None:
+    assert config().models["qwen2-7b"].kv_bytes_per_token == 2 * 28 * 4 * 128 * 2 == 57344
+
+
+@pytest.mark.parametrize(("model", "published", "tolerance"), [("llama-2-7b", 6.74e9, 0.02),
+                                                                ("qwen2-72b", 72.7e9, 0.03),
+                                                                ("qwen2-7b", 7.6e9, 0.03),
+                                                                ("llama-2-70b", 69.0e9, 0.03)])
+def test_parameter_count_from_shape_matches_the_published_size(model: str, published: float, tolerance: float) -> None:
+    params = config().models[model].params
+    assert math.isclose(params, published, rel_tol=tolerance), f"{model}: {params / 1e9:.2f}e9"
+
+
+def test_model_whose_hidden_size_is_not_a_multiple_of_heads_is_rejected() -> None:
+    raw = base()
+    raw["models"]["qwen2-7b"]["heads"] = 27
+    assert "models.qwen2-7b" in error_of(raw) and "multiple of heads" in error_of(raw)
