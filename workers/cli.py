@@ -73,7 +73,7 @@ def cmd_services(args: argparse.Namespace) -> int:
             print("embedded services: not running (start them with `rackflow services up`)")
         for name in ("redis", "etcd"):
             s = st.get(name) or {}
-            if s:
+            if s.get("url"):
                 state = "healthy" if s.get("healthy") else ("alive, not answering" if s.get("alive") else "down")
                 print(f"{'valkey' if name == 'redis' else 'etcd':<7} {state:<10} {s.get('url')}  pid {s.get('pid')}")
     healthy = bool(st.get("running")) and all((st.get(n) or {}).get("healthy") for n in ("redis", "etcd"))
