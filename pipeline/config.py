@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-CONFIG_FILES = ("gpus.yaml", "models.yaml", "cluster.yaml", "policies.yaml")
+CONFIG_FILES = ("gpus.yaml", "models.yaml", "cluster.yaml", "policies.yaml", "gateway.yaml")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 
 
@@ -43,6 +43,17 @@ class GpuSpec(_Strict):
     """Price of one GPU-hour in USD (cost comparisons only)."""
 
 
+class TokenRates(_Strict):
+    """Characters per token of the fast token estimator, by kind of text."""
+
+    cjk: float = Field(default=1.4, gt=0, le=16)
+    """CJK (Chinese, Japanese, Korean) characters per token."""
+    latin: float = Field(default=4.0, gt=0, le=32)
+    """Characters per token of natural-language text in Latin and other scripts."""
+    code: float = Field(default=3.0, gt=0, le=32)
+    """Characters per token of source code (more symbols and whitespace runs than prose)."""
+
+
 class ModelSpec(_Strict):
     layers: int = Field(gt=0, le=1024)
     """Transformer layers."""
@@ -66,6 +77,13 @@ class ModelSpec(_Strict):
     """Seed memory coefficient for output tokens, KB per token."""
     default_out_tokens: int = Field(default=256, gt=0, le=1_000_000)
     """Output length assumed when neither the request nor the user's history gives one."""
+    gpu_pool: tuple[str, ...] = ()
+    """GPU types this model may be placed on (model-aware placement, e.g. 7B on A100, 72B on H100); empty: any."""
+    tokenizer: str | None = None
+    """Path of the model's `tokenizer.json`; when it exists, prompts are counted exactly instead of estimated."""
+    token_rates: TokenRates | None = None
+    """Calibrated characters-per-token rates of this model's tokenizer (`rackflow tokens calibrate`); default: the
+    profiling policy's rates."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -161,28 +179,73 @@ class ClusterSpec(_Strict):
 class ProfilingPolicy(_Strict):
     estimator: Literal["seed", "shape"] = "seed"
     """Memory estimate: `seed` (in*200 + out*1500 KB) or `shape` (KV bytes per token from the model shape)."""
-    cjk_chars_per_token: float = Field(default=1.5, gt=0, le=16)
-    """Fast token estimator: CJK characters per token."""
-    latin_chars_per_token: float = Field(default=4.0, gt=0, le=32)
-    """Fast token estimator: other characters per token."""
+    token_rates: TokenRates = TokenRates()
+    """Default rates of the fast token estimator (a model's own `token_rates` override them)."""
+    prefix_block_tokens: int = Field(default=512, ge=16, le=65_536)
+    """Tokens per prefix block; a prompt's chained block hashes are what the kv_aware policy matches on."""
+    ewma_alpha: float = Field(default=0.2, gt=0, le=1)
+    """Weight of the newest completion in a user's output-length EWMA."""
+
+
+class PrefixCacheRule(_Strict):
+    """Seed rule: a long prompt that leaves its affinity rack runs with prefix caching off (its prefix is not cached
+    there, and caching it would evict what the rack's own users reuse)."""
+
+    enabled: bool = True
+    """Apply the rule."""
+    min_tokens: int = Field(default=512, ge=0, le=10_000_000)
+    """Prompts longer than this lose prefix caching when routed away from their affinity rack."""
 
 
 class RouterPolicy(_Strict):
-    policy: Literal["rack-affinity"] = "rack-affinity"
+    policy: Literal["rack_affinity"] = "rack_affinity"
     """Rack choice: consistent hash of user_id over the racks serving the model, with bounded load."""
     virtual_nodes: int = Field(default=160, ge=1, le=10_000)
     """Points per rack on the hash ring."""
     load_bound: float = Field(default=1.25, ge=1.0, le=100.0)
-    """A rack whose load exceeds load_bound x the mean rack load is skipped (walk the ring)."""
+    """(1 + epsilon): a rack whose load exceeds load_bound x the mean rack load + load_slack is skipped (walk the
+    ring)."""
+    load_slack: float = Field(default=16.0, ge=0, le=1e9)
+    """Requests a rack may be above the bound before it is skipped: at small absolute loads a pure (1+eps) bound
+    would throw away affinity (and its KV cache) over a difference of two or three requests."""
+    prefix_cache_rule: PrefixCacheRule = PrefixCacheRule()
+    """When to turn prefix caching off for a request (ARCHITECTURE §2)."""
+
+
+NodePolicyName = Literal[
+    "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware"
+]
+
+
+class KvAwareParams(_Strict):
+    decode_weight_tokens: float = Field(default=256.0, ge=0, le=1e9)
+    """Cost of one outstanding sequence on a node, in prompt tokens to prefill (cost = uncached tokens + this x
+    outstanding sequences)."""
+    index_blocks_per_node: int = Field(default=65_536, ge=1, le=100_000_000)
+    """Prefix blocks remembered per node (LRU) by the approximate prefix index."""
 
 
 class NodeSelectionPolicy(_Strict):
-    policy: Literal["weighted-random"] = "weighted-random"
-    """Node choice inside a rack: weighted random on the live node weight W."""
+    policy: NodePolicyName = "weighted"
+    """Node choice inside a rack; `weighted` is the seed's W-weighted random."""
+    allow_request_override: bool = True
+    """Let a request pick its policy with the `X-Route-Policy` header."""
+    allowed_overrides: tuple[NodePolicyName, ...] = (
+        "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware"
+    )
+    """Policies a request may ask for."""
     refresh_ms: int = Field(default=200, ge=10, le=60_000)
     """How often node weights are refreshed from the nodes' live status."""
+    stale_ms: int = Field(default=3000, ge=50, le=600_000)
+    """A node whose status is older than this is unavailable (never routed on an old weight)."""
     latency_decay_per_ms: float = Field(default=0.05, ge=0, le=10)
     """The 0.05 of exp(-0.05 * avg_latency_ms) in W."""
+    static_weights: dict[str, Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]] = Field(
+        default_factory=dict
+    )
+    """`static_weight` policy: weight per node name or GPU type (node name wins); default 1."""
+    kv_aware: KvAwareParams = KvAwareParams()
+    """Parameters of the `kv_aware` policy."""
 
 
 class BatcherPolicy(_Strict):
@@ -220,6 +283,46 @@ class StreamsPolicy(_Strict):
     """XREADGROUP BLOCK timeout."""
 
 
+class AuthConfig(_Strict):
+    mode: Literal["none", "hs256", "rs256"] = "hs256"
+    """`hs256` (shared secret), `rs256` (public key) or `none` (local runs only; the gateway warns at start)."""
+    secret_env: str = "RACKFLOW_JWT_SECRET"
+    """Environment variable holding the HS256 secret (secrets never live in config files)."""
+    public_key_file: str | None = None
+    """PEM file of the RS256 public key."""
+    audience: str | None = None
+    """Required `aud` claim, if set."""
+    issuer: str | None = None
+    """Required `iss` claim, if set."""
+    leeway_s: int = Field(default=5, ge=0, le=600)
+    """Clock skew tolerated on `exp`/`nbf`."""
+    default_tenant: str = "local"
+    """Tenant of unauthenticated requests (mode `none`)."""
+
+
+class GatewayConfig(_Strict):
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds."""
+    port: int = Field(default=8000, ge=0, le=65_535)
+    """HTTP port (0: any free port, printed at start)."""
+    auth: AuthConfig = AuthConfig()
+    """Bearer-token verification."""
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=1024**3)
+    """Larger request bodies get 413."""
+    max_ingress_backlog: int = Field(default=20_000, ge=1, le=100_000_000)
+    """Requests waiting for the router (rf:ingress lag + pending) above which new requests get 429."""
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    """`Retry-After` of a 429."""
+    request_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+    """How long the gateway waits for a request's final result before answering with a timeout error."""
+    max_n: int = Field(default=1, ge=1, le=1)
+    """Completions per request (`n`); only 1 is supported."""
+    redis_max_connections: int = Field(default=1024, ge=8, le=100_000)
+    """Connections to Redis/Valkey (each open stream holds one while it waits for tokens)."""
+    shutdown_grace_s: int = Field(default=10, ge=0, le=3600)
+    """On SIGTERM, open streams get this long to finish."""
+
+
 class Policies(_Strict):
     profiling: ProfilingPolicy = ProfilingPolicy()
     router: RouterPolicy = RouterPolicy()
@@ -236,9 +339,16 @@ class RackflowConfig(_Strict):
     models: dict[str, ModelSpec]
     cluster: ClusterSpec
     policies: Policies = Policies()
+    gateway: GatewayConfig = GatewayConfig()
 
     @model_validator(mode="after")
     def _references(self) -> RackflowConfig:
+        for name, model in self.models.items():
+            for g in model.gpu_pool:
+                if g not in self.gpus:
+                    raise ValueError(
+                        f"models.{name}.gpu_pool: unknown gpu {g!r}; allowed: {', '.join(sorted(self.gpus))}"
+                    )
         for i, rack in enumerate(self.cluster.racks):
             for j, node in enumerate(rack.expanded()):
                 where = f"cluster.racks.{i}.nodes.{j}" if rack.nodes else f"cluster.racks.{i}.node"
@@ -252,6 +362,12 @@ class RackflowConfig(_Strict):
                         raise ValueError(
                             f"{where}.models (rack {rack.name}, node {node.name}): unknown model {m!r}; "
                             f"allowed: {', '.join(sorted(self.models))}"
+                        )
+                    pool = self.models[m].gpu_pool
+                    if pool and node.gpu not in pool:
+                        raise ValueError(
+                            f"{where}.gpu (rack {rack.name}, node {node.name}): {m} is placed on "
+                            f"{', '.join(pool)} only (models.{m}.gpu_pool), not {node.gpu}"
                         )
                     need = self.models[m].weight_bytes / node.tp
                     have = self.gpus[node.gpu].memory_gb * 1e9
@@ -285,6 +401,18 @@ class RackflowConfig(_Strict):
 
     def rack_names(self) -> tuple[str, ...]:
         return tuple(r.name for r in self.cluster.racks)
+
+    def token_rates(self, model: str) -> TokenRates:
+        return self.models[model].token_rates or self.policies.profiling.token_rates
+
+    def nodes_serving(self, model: str, rack: str | None = None) -> tuple[str, ...]:
+        return tuple(
+            n.name
+            for r in self.cluster.racks
+            if rack is None or r.name == rack
+            for n in r.expanded()
+            if model in n.models
+        )
 
     def racks_serving(self, model: str) -> tuple[str, ...]:
         return tuple(r.name for r in self.cluster.racks if any(model in n.models for n in r.expanded()))
@@ -330,9 +458,11 @@ def raw_config(config_dir: Path = DEFAULT_CONFIG_DIR, overrides: Iterable[Path] 
             raw[name.removesuffix(".yaml")] = _read_yaml(path)
     for path in overrides:
         over = _read_yaml(Path(path))
-        unknown = sorted(set(over) - {"gpus", "models", "cluster", "policies"})
+        unknown = sorted(set(over) - {"gpus", "models", "cluster", "policies", "gateway"})
         if unknown:
-            raise ConfigError(f"{path}: unknown top-level keys {unknown}; allowed: gpus, models, cluster, policies")
+            raise ConfigError(
+                f"{path}: unknown top-level keys {unknown}; allowed: gpus, models, cluster, policies, gateway"
+            )
         raw = _deep_merge(raw, over)
     return raw
 

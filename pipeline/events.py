@@ -54,6 +54,10 @@ class RequestEvent:
     rack: str | None = None
     """Set by the router."""
     routed_ms: float = 0.0
+    route_policy: str = ""
+    """Node policy the client asked for (X-Route-Policy); empty: the configured default."""
+    prefix_hashes: tuple[int, ...] = ()
+    """Chained hashes of the prompt's prefix blocks (63-bit), for prefix-aware placement."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +84,14 @@ class TokenEvent:
     version: int
     index: int
     token_ids: tuple[int, ...]
-    text: str
+    texts: tuple[str, ...]
+    """The decoded text of each token (same length as token_ids)."""
     ts_ms: float
     node: str
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,38 +1,21 @@
-"""Request profiling at the gateway (ARCHITECTURE §2): token estimate, output estimate, memory estimate.
+"""Request profiling at the gateway (ARCHITECTURE §2): token estimate, output estimate, memory estimate, prefix.
 
-Owns the arithmetic that turns a client request into a RequestEvent within the gateway's budget (< 5 ms). It never
-talks to Redis: the caller passes in what it looked up (the user's output-length EWMA, the arrival time).
+Owns the arithmetic that turns a client request into a RequestEvent within the gateway's budget (seed: 5 ms; ours:
+p99 < 0.5 ms for an 8,000-token prompt, `rackflow bench profile`). It never talks to Redis: the caller passes in
+what it looked up (the user's output-length EWMA, the arrival time) and, when the model's tokenizer is loaded, the
+exact token ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.config import ModelSpec, ProfilingPolicy
+from pipeline.config import ModelSpec, ProfilingPolicy, TokenRates
 from pipeline.events import RequestEvent
+from pipeline.tokens import estimate_tokens, prefix_hashes_from_ids, prefix_hashes_from_text
 
-
-def _is_cjk(ch: str) -> bool:
-    o = ord(ch)
-    return (
-        0x4E00 <= o <= 0x9FFF  # CJK unified ideographs
-        or 0x3400 <= o <= 0x4DBF  # extension A
-        or 0x3040 <= o <= 0x30FF  # hiragana, katakana
-        or 0xAC00 <= o <= 0xD7AF  # hangul syllables
-        or 0xF900 <= o <= 0xFAFF
-        or 0xFF00 <= o <= 0xFFEF  # full-width forms
-    )
-
-
-def estimate_tokens(text: str, policy: ProfilingPolicy) -> int:
-    """Fast token estimate: CJK characters and other characters at separate rates (a BPE vocabulary packs about
-    1.5 CJK characters or 4 Latin characters per token). Exact counts need the model's tokenizer (gateway)."""
-    if not text:
-        return 0
-    cjk = sum(1 for ch in text if _is_cjk(ch))
-    other = len(text) - cjk
-    est = cjk / policy.cjk_chars_per_token + other / policy.latin_chars_per_token
-    return max(1, round(est))
+__all__ = ["ProfileInput", "estimate_mem_kb", "estimate_tokens", "expected_out_tokens", "profile_request"]
 
 
 def estimate_mem_kb(model: ModelSpec, in_tokens: int, out_tokens: int, estimator: str) -> float:
@@ -69,18 +52,39 @@ class ProfileInput:
     arrival_ms: float
     prompt: str = ""
     prompt_tokens: int | None = None
-    """Exact prompt length when known (a tokenizer ran, or a trace gives it); else estimated from `prompt`."""
+    """Exact prompt length when known (a trace gives it); else counted from `token_ids` or estimated."""
+    token_ids: Sequence[int] | None = None
+    """The prompt's token ids when the model's tokenizer ran (exact count and exact prefix blocks)."""
     max_tokens: int | None = None
     user_avg_out: float | None = None
     priority: int = 0
     prefix_cache: bool = True
+    route_policy: str = ""
+    prefix_hashes: tuple[int, ...] | None = None
+    """Given by a trace (Mooncake `hash_ids`); else derived from the prompt."""
 
 
-def profile_request(inp: ProfileInput, model: ModelSpec, policy: ProfilingPolicy) -> RequestEvent:
+def profile_request(
+    inp: ProfileInput, model: ModelSpec, policy: ProfilingPolicy, rates: TokenRates | None = None
+) -> RequestEvent:
     """Build the RequestEvent (version 1) for a new request."""
-    in_tokens = inp.prompt_tokens if inp.prompt_tokens is not None else estimate_tokens(inp.prompt, policy)
+    rates = rates or model.token_rates or policy.token_rates
+    if inp.prompt_tokens is not None:
+        in_tokens = inp.prompt_tokens
+    elif inp.token_ids is not None:
+        in_tokens = len(inp.token_ids)
+    else:
+        in_tokens = estimate_tokens(inp.prompt, rates)
     out_tokens = expected_out_tokens(model, inp.max_tokens, inp.user_avg_out)
     max_tokens = inp.max_tokens if inp.max_tokens is not None else out_tokens
+    if inp.prefix_hashes is not None:
+        hashes = inp.prefix_hashes
+    elif inp.token_ids is not None:
+        hashes = prefix_hashes_from_ids(inp.token_ids, policy.prefix_block_tokens)
+    elif inp.prompt:
+        hashes = prefix_hashes_from_text(inp.prompt, max(1, round(policy.prefix_block_tokens * rates.latin)))
+    else:
+        hashes = ()
     return RequestEvent(
         request_id=inp.request_id,
         version=1,
@@ -95,4 +99,6 @@ def profile_request(inp: ProfileInput, model: ModelSpec, policy: ProfilingPolicy
         prompt=inp.prompt,
         priority=inp.priority,
         prefix_cache=inp.prefix_cache,
+        route_policy=inp.route_policy,
+        prefix_hashes=hashes,
     )

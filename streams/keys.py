@@ -49,3 +49,8 @@ ETCD_NODES = "/rackflow/nodes/"
 
 def etcd_node(node: str) -> str:
     return f"{ETCD_NODES}{node}"
+
+
+def user_out_ewma(tenant: str, user_id: str) -> str:
+    """A user's output-length EWMA (profiling's output estimate), per tenant."""
+    return f"rf:user:{{{tenant}:{user_id}}}:out_ewma"

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import uuid
 
 from pipeline.batching.ledger import ReservationLedger
 from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
 from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, DecisionEvent, RequestEvent
-from pipeline.routing.registry import NODE_POLICIES, lookup
+from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
@@ -39,16 +38,20 @@ class Batcher:
         self.config = config
         self.rack = rack
         pol = config.policies
-        selector_cls = lookup(NODE_POLICIES, "node", pol.node_selection.policy)
-        # One seeded random source per rack: replaying the same inputs reproduces the same choices.
-        self.rng = random.Random(f"{pol.seed}:{rack}")
-        caps = {n.name: config.node_mem_budget_kb(n.name) for n in config.cluster.racks[
-            config.rack_names().index(rack)].expanded()}
-        self.window = WindowBatcher(pol.batcher, selector_cls(pol.node_selection.latency_decay_per_ms, self.rng), caps)
+        nodes = config.cluster.racks[config.rack_names().index(rack)].expanded()
+        caps = {n.name: config.node_mem_budget_kb(n.name) for n in nodes}
+        # Each policy of this rack gets its own random source seeded by (seed, rack, policy): replaying the same
+        # inputs reproduces the same choices.
+        self.policies = NodePolicySet(
+            pol.node_selection, pol.seed, rack, {n.name: n.gpu for n in nodes}, pol.profiling.prefix_block_tokens
+        )
+        self.window = WindowBatcher(
+            pol.batcher, self.policies, caps, {n.name: frozenset(n.models) for n in nodes}
+        )
         self.ledger = ReservationLedger()
         self.r = connect(redis_url)
         self.registry = NodeRegistry(etcd_url)
-        self.view = ClusterView(config, self.r, self.registry)
+        self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms)
         retention_ms = pol.streams.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
         self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
@@ -102,11 +105,13 @@ class Batcher:
                 )
                 entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
                 self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests))
-                await self.producer.add(keys.DECISIONS, DecisionEvent(
-                    kind="dispatch", policy=self.window.selector.name, choice=plan.node,
-                    request_ids=batch_ids(batch), ts_ms=now, scores=dict(plan.probabilities), draw=plan.draw,
-                    batch_id=batch.batch_id,
-                ))
+                await self.producer.add_many(
+                    (keys.DECISIONS, DecisionEvent(
+                        kind="dispatch", policy=c.policy, choice=c.node, request_ids=c.request_ids, ts_ms=now,
+                        scores=dict(c.scores), draw=c.draw, batch_id=batch.batch_id,
+                    ))
+                    for c in plan.choices
+                )
                 ids = [p.entry_id for p in plan.requests]
                 await self.consumer.ack(ids)
                 self._held.difference_update(ids)
@@ -162,7 +167,3 @@ class Batcher:
         log.info("batcher %s stopped (%d batches, %d requests, %d left pending)", self.rack, self.batches,
                  self.dispatched, len(self.window.pending))
         return 0
-
-
-def batch_ids(batch: BatchEvent) -> tuple[str, ...]:
-    return tuple(r.request_id for r in batch.requests)

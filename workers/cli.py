@@ -111,10 +111,72 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from workers.http_gateway import serve
+
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging(args.log_level, "gateway")
+    return serve(config, redis_url, etcd_url, host=args.host, port=args.port, no_auth=args.no_auth)
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from workers.auth import AuthError, mint_token
+
+    config = _config(args)
+    try:
+        print(mint_token(config.gateway.auth, tenant=args.tenant, sub=args.sub, models=args.model or None,
+                         default_model=args.default_model, ttl_s=args.ttl))
+    except AuthError as e:
+        print(f"rackflow token: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    """Fit the fast estimator's rates to a real tokenizer over a corpus and print them for models.yaml."""
+    from tokenizers import Tokenizer
+
+    from pipeline.config import TokenRates
+    from pipeline.tokens import estimate_tokens, fit_rates
+
+    tok = Tokenizer.from_file(args.tokenizer)
+    samples: list[tuple[str, int]] = []
+    for path in args.corpus:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        for part in (p for p in text.split("\n\n") if p.strip()):
+            samples.append((part, len(tok.encode(part, add_special_tokens=False).ids)))
+    if len(samples) < 4:
+        print("rackflow tokens calibrate: need at least 4 paragraphs (blank-line separated) in the corpus",
+              file=sys.stderr)
+        return 2
+    train, test = samples[::2], samples[1::2]
+    before, after = TokenRates(), fit_rates(train)
+
+    def mape(rates: TokenRates) -> float:
+        return 100 * sum(abs(estimate_tokens(t, rates) - n) / max(1, n) for t, n in test) / len(test)
+
+    print(f"# {len(samples)} paragraphs; held-out mean abs error: default rates {mape(before):.1f}%, "
+          f"fitted {mape(after):.1f}%")
+    print(f"token_rates: {{cjk: {after.cjk:.3f}, latin: {after.latin:.3f}, code: {after.code:.3f}}}")
+    return 0
+
+
+def gateway_auth_available(config: RackflowConfig) -> bool:
+    import os
+
+    auth = config.gateway.auth
+    if auth.mode == "hs256":
+        return bool(os.environ.get(auth.secret_env))
+    if auth.mode == "rs256":
+        return bool(auth.public_key_file and Path(auth.public_key_file).exists())
+    return False
+
+
 class _LocalCluster:
     """Services (unless URLs are given) + role processes, stopped in reverse order."""
 
-    def __init__(self, args: argparse.Namespace, state_dir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, state_dir: Path, with_gateway: bool = False) -> None:
         from workers.services import EmbeddedServices, resolve_endpoints
 
         self.args = args
@@ -130,6 +192,9 @@ class _LocalCluster:
         self.procs = ClusterProcesses(
             self.config, self.redis_url, self.etcd_url, state_dir / "logs", _config_args(args),
             engine=getattr(args, "engine", None) or self.config.policies.worker.engine, log_level=args.log_level,
+            gateway_port=getattr(args, "gateway_port", None),
+            gateway_no_auth=getattr(args, "no_auth", False) or not gateway_auth_available(self.config),
+            with_gateway=with_gateway,
         )
 
     def start(self) -> None:
@@ -149,14 +214,17 @@ class _LocalCluster:
 
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "up")
-    cluster = _LocalCluster(args, STATE_DIR / "up")
+    cluster = _LocalCluster(args, STATE_DIR / "up", with_gateway=True)
     interrupted = []
     signal.signal(signal.SIGTERM, lambda *_: interrupted.append(1))
     try:
         cluster.start()
         n = len(cluster.procs.procs)
         print(f"rackflow up: {n} processes (router, {len(cluster.config.rack_names())} batchers, "
-              f"{len(cluster.config.nodes())} workers); redis {cluster.redis_url} etcd {cluster.etcd_url}")
+              f"{len(cluster.config.nodes())} workers, gateway); redis {cluster.redis_url} etcd {cluster.etcd_url}")
+        procs = cluster.procs
+        auth = "OFF (local run: set RACKFLOW_JWT_SECRET to require JWTs)" if procs.gateway_no_auth else "JWT"
+        print(f"gateway http://{cluster.config.gateway.host}:{procs.gateway_port}/v1  auth: {auth}", flush=True)
         print(f"logs in {STATE_DIR / 'up' / 'logs'}; Ctrl-C stops everything")
         while not interrupted:
             dead = cluster.procs.dead()
@@ -261,8 +329,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish live sequences on SIGTERM")
     s.set_defaults(fn=cmd_worker)
 
-    s = sub.add_parser("up", help="services + router + a batcher per rack + a worker per node; Ctrl-C stops")
+    s = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    s.add_argument("--host", default=None, help="bind address (default: gateway.host in config)")
+    s.add_argument("--port", type=int, default=None, help="port (default: gateway.port; 0 = any free port)")
+    s.add_argument("--no-auth", action="store_true", help="accept requests without a JWT (local runs only)")
+    s.set_defaults(fn=cmd_gateway)
+
+    s = sub.add_parser("token", help="mint an HS256 JWT for the gateway (secret from gateway.auth.secret_env)")
+    s.add_argument("--tenant", required=True)
+    s.add_argument("--sub", required=True, help="user id")
+    s.add_argument("--model", action="append", default=[], help="allowed model (repeatable; default: all)")
+    s.add_argument("--default-model", default=None)
+    s.add_argument("--ttl", type=int, default=3600, help="seconds until exp")
+    s.set_defaults(fn=cmd_token)
+
+    s = sub.add_parser("tokens", help="calibrate the fast token estimator against a real tokenizer.json")
+    s.add_argument("action", choices=["calibrate"])
+    s.add_argument("--tokenizer", required=True, help="path of the model's tokenizer.json")
+    s.add_argument("--corpus", nargs="+", required=True, help="text files (blank-line separated paragraphs)")
+    s.set_defaults(fn=cmd_tokens)
+
+    s = sub.add_parser("up", help="services + router + a batcher per rack + a worker per node + the gateway; "
+                                  "Ctrl-C stops")
     s.add_argument("--engine", choices=["sim"], default=None)
+    s.add_argument("--gateway-port", type=int, default=None, help="default: gateway.port in config")
+    s.add_argument("--no-auth", action="store_true", help="run the gateway without JWT auth")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("demo", help="run the local cluster on the Azure conversation trace and report")
@@ -282,9 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_config)
 
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
-    s.add_argument("what", choices=["streams"])
+    s.add_argument("what", choices=["streams", "profile", "route"])
     s.add_argument("--json", action="store_true")
-    s.add_argument("--entries", type=int, default=20000)
+    s.add_argument("--entries", type=int, default=20000, help="streams: entries per repeat")
+    s.add_argument("--tokenizer", default=None, help="profile: count with this tokenizer.json (exact path)")
     s.set_defaults(fn=cmd_bench)
     return p
 

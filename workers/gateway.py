@@ -1,20 +1,26 @@
-"""Gateway function: profile a request (ARCHITECTURE §2) and append it to `rf:ingress`.
+"""Gateway core: profile a request (ARCHITECTURE §2), admit it into `rf:ingress`, and read its outputs back.
 
-This is the ingress step every front end shares (the demo's trace replay now; the HTTP gateway and Celery jobs
-build on it). It validates what the profile needs and never lets a request it cannot serve into the streams.
+Every front end shares this: the HTTP gateway, the demo's trace replay and Celery jobs. It validates what the
+profile needs and never lets a request it cannot serve into the streams; it sheds load (RequestRejected with status
+429) when the router's backlog is over the configured bound; it reads a request's token stream `rf:out:{id}` until
+the final result. The exact token count comes from the model's `tokenizer.json` when the file exists locally.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from pipeline.config import RackflowConfig
-from pipeline.events import RequestEvent
+from pipeline.events import RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput, profile_request
-from streams import keys
+from streams import codec, keys
+from streams.errors import DecodeError
 from streams.runner import StreamProducer
 from workers.runtime import WALL
 
@@ -22,7 +28,22 @@ log = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
-    """The client's request cannot be served as given; the message says what to change."""
+    """The request cannot be admitted; `status` is the HTTP status to answer with, the message says what to change."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        code: str = "invalid_value",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.code = code
+        """Machine-readable reason (OpenAI-style error code)."""
 
 
 class Gateway:
@@ -30,19 +51,105 @@ class Gateway:
         self.config = config
         self.r = r
         self.producer = StreamProducer(r, WALL.now_ms, config.policies.streams.retention_s * 1000)
+        self._tokenizers: dict[str, Any] = {}
+        self._backlog = (0.0, 0)  # (monotonic time read, value)
 
+    # -- tokenizers ----------------------------------------------------------------------------------------------
+    def tokenizer(self, model: str) -> Any | None:
+        """The model's `tokenizers.Tokenizer` when its tokenizer.json exists locally, else None (estimate)."""
+        if model in self._tokenizers:
+            return self._tokenizers[model]
+        tok = None
+        path = self.config.models[model].tokenizer
+        if path and Path(path).exists():
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(path)
+            log.info("model %s: exact token counts from %s", model, path)
+        elif path:
+            log.warning("model %s: tokenizer %s not found; estimating token counts", model, path)
+        self._tokenizers[model] = tok
+        return tok
+
+    # -- admission -----------------------------------------------------------------------------------------------
     def profile(self, inp: ProfileInput) -> RequestEvent:
         model = self.config.models.get(inp.model)
         if model is None:
-            raise RequestRejected(f"unknown model {inp.model!r}; available: {', '.join(sorted(self.config.models))}")
+            raise RequestRejected(
+                f"model {inp.model!r} does not exist; available: {', '.join(sorted(self.config.models))}",
+                404, "model", code="model_not_found",
+            )
+        if not self.config.racks_serving(inp.model):
+            raise RequestRejected(
+                f"model {inp.model!r} is not served by any rack of this cluster", 404, "model", code="model_not_found"
+            )
         if inp.max_tokens is not None and inp.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be >= 1, got {inp.max_tokens}")
-        req = profile_request(inp, model, self.config.policies.profiling)
+            raise RequestRejected(f"max_tokens must be >= 1, got {inp.max_tokens}", 400, "max_tokens")
+        if inp.route_policy and not self._policy_allowed(inp.route_policy):
+            ns = self.config.policies.node_selection
+            allowed = ", ".join(ns.allowed_overrides) if ns.allow_request_override else "none (disabled)"
+            raise RequestRejected(
+                f"route policy {inp.route_policy!r} is not allowed; allowed: {allowed}", 400, "X-Route-Policy",
+                code="invalid_route_policy",
+            )
+        if inp.token_ids is None and inp.prompt_tokens is None and inp.prompt:
+            tok = self.tokenizer(inp.model)
+            if tok is not None:
+                inp = _with_ids(inp, tok.encode(inp.prompt, add_special_tokens=False).ids)
+        req = profile_request(inp, model, self.config.policies.profiling, self.config.token_rates(inp.model))
         if req.in_tokens + req.max_tokens > model.context:
             raise RequestRejected(
                 f"prompt ({req.in_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
-                f"{inp.model} ({model.context} tokens); shorten the prompt or lower max_tokens"
+                f"{inp.model} ({model.context} tokens); shorten the prompt or lower max_tokens",
+                400, "max_tokens" if inp.max_tokens is not None else "prompt", code="context_length_exceeded",
             )
+        return req
+
+    def _policy_allowed(self, name: str) -> bool:
+        ns = self.config.policies.node_selection
+        return ns.allow_request_override and name in ns.allowed_overrides
+
+    async def user_avg_out(self, tenant: str, user_id: str) -> float | None:
+        v = await self.r.get(keys.user_out_ewma(tenant, user_id))
+        return float(v) if v is not None else None
+
+    async def backlog(self, max_age_s: float = 0.1) -> int:
+        """Requests waiting for the router: rf:ingress lag + pending of the router group (cached briefly)."""
+        t, v = self._backlog
+        now = time.monotonic()
+        if now - t < max_age_s:
+            return v
+        try:
+            groups = await self.r.xinfo_groups(keys.INGRESS)
+        except aioredis.ResponseError:  # no stream yet
+            groups = []
+        value = 0
+        found = False
+        for g in groups:
+            name = g.get("name")
+            if name in (keys.GROUP_ROUTER, keys.GROUP_ROUTER.encode()):
+                lag = g.get("lag")
+                value = int(g.get("pending") or 0) + (int(lag) if lag is not None else 0)
+                found = True
+        if not found:
+            value = int(await self.r.xlen(keys.INGRESS))
+        self._backlog = (now, value)
+        return value
+
+    async def admit(self, inp: ProfileInput) -> RequestEvent:
+        """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload."""
+        if inp.max_tokens is None and inp.user_avg_out is None:
+            avg = await self.user_avg_out(inp.tenant, inp.user_id)
+            if avg is not None:
+                inp = _replace(inp, user_avg_out=avg)
+        req = self.profile(inp)
+        bound = self.config.gateway.max_ingress_backlog
+        if await self.backlog() >= bound:
+            raise RequestRejected(
+                f"the cluster is overloaded ({bound} requests already waiting for routing); retry later",
+                429, None, self.config.gateway.retry_after_s, code="overloaded",
+            )
+        await self.producer.add(keys.INGRESS, req)
         return req
 
     async def submit(self, inp: ProfileInput) -> RequestEvent:
@@ -54,3 +161,62 @@ class Gateway:
         reqs = [self.profile(i) for i in inputs]
         await self.producer.add_many((keys.INGRESS, r) for r in reqs)
         return reqs
+
+    # -- outputs -------------------------------------------------------------------------------------------------
+    async def outputs(
+        self, request_id: str, timeout_s: float | None = None, block_ms: int = 1000
+    ) -> AsyncGenerator[TokenEvent | ResultEvent, None]:
+        """Token chunks of a request as they are generated, then its final ResultEvent. Raises TimeoutError when
+        nothing final arrives within `timeout_s` (default: gateway.request_timeout_s)."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.gateway.request_timeout_s)
+        stream = keys.request_out(request_id)
+        last = "0-0"
+        next_index = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no final result for request {request_id} in time")
+            resp = await self.r.xread({stream: last}, count=256, block=int(min(block_ms, remaining * 1000) or 1))
+            for _s, entries in resp or []:
+                for eid, fields in entries:
+                    last = eid.decode() if isinstance(eid, bytes) else eid
+                    try:
+                        ev = codec.decode(fields)
+                    except DecodeError as e:
+                        log.warning("request %s: undecodable output entry %s: %s", request_id, last, e)
+                        continue
+                    if isinstance(ev, ResultEvent):
+                        yield ev
+                        return
+                    if isinstance(ev, TokenEvent):
+                        # a retried sequence may resend tokens the client already has: skip them
+                        if ev.index + len(ev.token_ids) <= next_index:
+                            continue
+                        if ev.index < next_index:
+                            cut = next_index - ev.index
+                            ev = TokenEvent(ev.request_id, ev.version, next_index, ev.token_ids[cut:],
+                                            ev.texts[cut:], ev.ts_ms, ev.node)
+                        next_index = ev.index + len(ev.token_ids)
+                        yield ev
+
+    async def result(self, request_id: str) -> ResultEvent | None:
+        """The final result of a request if its output stream still holds it (within the output TTL)."""
+        entries = await self.r.xrevrange(keys.request_out(request_id), count=8)
+        for _eid, fields in entries:
+            try:
+                ev = codec.decode(fields)
+            except DecodeError:
+                continue
+            if isinstance(ev, ResultEvent):
+                return ev
+        return None
+
+
+def _replace(inp: ProfileInput, **kw: Any) -> ProfileInput:
+    import dataclasses
+
+    return dataclasses.replace(inp, **kw)
+
+
+def _with_ids(inp: ProfileInput, ids: Sequence[int]) -> ProfileInput:
+    return _replace(inp, token_ids=list(ids))

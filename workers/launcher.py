@@ -37,7 +37,16 @@ class ClusterProcesses:
     config_args: list[str] = field(default_factory=list)
     engine: str = "sim"
     log_level: str = "INFO"
+    gateway_port: int | None = None
+    """None: config gateway.port."""
+    gateway_no_auth: bool = False
+    with_gateway: bool = False
+    """start() also starts the HTTP gateway (`rackflow up` does; the demo submits in-process)."""
     procs: list[RoleProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.gateway_port is None:
+            self.gateway_port = self.config.gateway.port
 
     def _spawn(self, role: str, name: str, extra: list[str]) -> RoleProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -63,6 +72,14 @@ class ClusterProcesses:
         for rack in self.config.rack_names():
             self._spawn("batcher", f"batcher-{rack}", ["--rack", rack])
         self._spawn("router", "router", [])
+        if self.with_gateway:
+            self.start_gateway()
+
+    def start_gateway(self) -> RoleProcess:
+        extra = ["--port", str(self.gateway_port)]
+        if self.gateway_no_auth:
+            extra.append("--no-auth")
+        return self._spawn("gateway", "gateway", extra)
 
     def start_worker(self, node: str) -> RoleProcess:
         return self._spawn("worker", f"worker-{node}", ["--node", node, "--engine", self.engine])
@@ -71,9 +88,9 @@ class ClusterProcesses:
         return [p for p in self.procs if p.proc.poll() is not None]
 
     def stop(self, timeout_s: float = 40.0) -> None:
-        order = {"router": 0, "batcher": 1, "worker": 2}
-        for stage in sorted({order.get(p.role, 3) for p in self.procs}):
-            group = [p for p in self.procs if order.get(p.role, 3) == stage and p.proc.poll() is None]
+        order = {"gateway": 0, "router": 1, "batcher": 2, "worker": 3}
+        for stage in sorted({order.get(p.role, 4) for p in self.procs}):
+            group = [p for p in self.procs if order.get(p.role, 4) == stage and p.proc.poll() is None]
             for p in group:
                 try:
                     p.proc.send_signal(signal.SIGTERM)

@@ -19,6 +19,14 @@ from streams.runner import minid_for
 
 log = logging.getLogger(__name__)
 
+_EWMA_LUA = """
+local v = tonumber(ARGV[1])
+local old = redis.call('GET', KEYS[1])
+if old then v = tonumber(ARGV[2]) * v + (1 - tonumber(ARGV[2])) * tonumber(old) end
+redis.call('SET', KEYS[1], tostring(v), 'EX', ARGV[3])
+return tostring(v)
+"""
+
 _FINAL_LUA = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('XADD', KEYS[2], 'MINID', '~', ARGV[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
@@ -30,9 +38,18 @@ return 0
 
 class ResultWriter:
     def __init__(
-        self, r: aioredis.Redis, now_ms: Callable[[], float], retention_ms: int, out_ttl_s: int = 3600
+        self,
+        r: aioredis.Redis,
+        now_ms: Callable[[], float],
+        retention_ms: int,
+        out_ttl_s: int = 3600,
+        ewma_alpha: float = 0.2,
+        ewma_ttl_s: int = 30 * 86_400,
     ) -> None:
         self.r = r
+        self.ewma_alpha = ewma_alpha
+        self.ewma_ttl_s = ewma_ttl_s
+        self._ewma = r.register_script(_EWMA_LUA)
         self.now_ms = now_ms
         self.retention_ms = retention_ms
         self.out_ttl_s = out_ttl_s
@@ -53,6 +70,12 @@ class ResultWriter:
                 f[b"d"],
             ],
         )
+        if written and result.status == "ok":
+            # the user's output-length history feeds the next output estimate (ARCHITECTURE §2)
+            await self._ewma(
+                keys=[keys.user_out_ewma(result.tenant, result.user_id)],
+                args=[result.out_tokens, self.ewma_alpha, self.ewma_ttl_s],
+            )
         if not written:
             log.info("request %s v%d: final result already written; duplicate dropped", result.request_id,
                      result.version)

@@ -14,7 +14,7 @@ import logging
 
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
-from pipeline.routing.rack_affinity import RackAffinityRouter
+from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache
 from pipeline.routing.registry import ROUTER_POLICIES, lookup
 from pipeline.routing.views import RackView
 from streams import keys
@@ -42,10 +42,12 @@ class Router:
         pol = config.policies
         cls = lookup(ROUTER_POLICIES, "router", pol.router.policy)
         racks_by_model = {m: config.racks_serving(m) for m in config.models}
-        self.policy: RackAffinityRouter = cls(racks_by_model, pol.router.virtual_nodes, pol.router.load_bound)
+        self.policy: RackAffinityRouter = cls(
+            racks_by_model, pol.router.virtual_nodes, pol.router.load_bound, pol.router.load_slack
+        )
         self.r = connect(redis_url)
         self.registry = NodeRegistry(etcd_url)
-        self.view = ClusterView(config, self.r, self.registry)
+        self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms)
         retention_ms = pol.streams.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
         self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
@@ -89,11 +91,17 @@ class Router:
                 errors.append(error_result(req, f"no healthy rack serves model {req.model!r}; retry later"))
                 continue
             extra[decision.rack] = extra.get(decision.rack, 0.0) + 1.0
-            routed = dataclasses.replace(req, rack=decision.rack, routed_ms=now)
+            rule = self.config.policies.router.prefix_cache_rule
+            prefix_cache = keeps_prefix_cache(rule.enabled, rule.min_tokens, req.in_tokens, decision, req.prefix_cache)
+            routed = dataclasses.replace(req, rack=decision.rack, routed_ms=now, prefix_cache=prefix_cache)
             out.append((keys.rack_requests(decision.rack), routed))
+            scores = {f"load:{k}": v.load for k, v in views.items()}
+            scores.update({f"healthy:{k}": float(v.healthy) for k, v in views.items()})
+            scores["affinity_kept"] = float(decision.rack == decision.primary)
+            scores["prefix_cache"] = float(prefix_cache)
             out.append((keys.DECISIONS, DecisionEvent(
                 kind="route", policy=self.policy.name, choice=decision.rack, request_ids=(req.request_id,),
-                ts_ms=now, scores={k: v.load for k, v in views.items()}, draw=-1.0,
+                ts_ms=now, scores=scores, draw=-1.0,
             )))
         await self.producer.add_many(out)  # type: ignore[arg-type]
         for e in errors:

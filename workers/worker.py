@@ -71,7 +71,9 @@ class Worker:
         self.r = connect(redis_url)
         self.retention_ms = sp.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, self.retention_ms)
-        self.results = ResultWriter(self.r, WALL.now_ms, self.retention_ms)
+        self.results = ResultWriter(
+            self.r, WALL.now_ms, self.retention_ms, ewma_alpha=config.policies.profiling.ewma_alpha
+        )
         self.registry = NodeRegistry(etcd_url)
         self.consumer = StreamConsumer(
             self.r,
@@ -205,7 +207,7 @@ class Worker:
                     version=live.req.version,
                     index=toks[0][0],
                     token_ids=tuple(t[1] for t in toks),
-                    text="".join(t[2] for t in toks),
+                    texts=tuple(t[2] for t in toks),
                     ts_ms=now,
                     node=self.node,
                 )

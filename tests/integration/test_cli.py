@@ -68,7 +68,7 @@ def test_config_check_and_bad_config(tmp_path: Path) -> None:
     res = rf("--config", str(bad), "config", "check", cwd=tmp_path)
     assert res.returncode == 2
     assert "policies.batcher.window_ms" in res.stderr and "greater than or equal to 1" in res.stderr
-    assert "policies.router.policy" in res.stderr and "rack-affinity" in res.stderr
+    assert "policies.router.policy" in res.stderr and "rack_affinity" in res.stderr
 
 
 def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
@@ -85,14 +85,19 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
     override.write_text(yaml.safe_dump(harness.SMALL_CLUSTER))
     e = {k: v for k, v in os.environ.items() if not k.startswith("RACKFLOW_")}
-    proc = subprocess.Popen([*RF, "--config", str(override), "--log-level", "WARNING", "up"], cwd=tmp_path, env=e,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from workers.services import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([*RF, "--config", str(override), "--log-level", "WARNING", "up", "--gateway-port",
+                             str(port)], cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         m = re.search(r"redis (\S+) etcd (\S+)", line)
         assert m, line + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
         redis_url = m.group(1)
+        gw_line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in gw_line and "auth: OFF" in gw_line, gw_line
         config = harness.small_config(override)
         items = harness.inputs(40, seed=7)
         deadline = time.monotonic() + 60
@@ -101,10 +106,26 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         got, counts = asyncio.run(harness.wait_results(redis_url, {r.request_id for r in sent}, timeout_s=90))
         assert time.monotonic() < deadline + 90
         assert len(got) == 40 and all(c == 1 for c in counts.values())
+        # the README's curl: a streaming chat completion through the gateway, tokens as SSE events
+        body = json.dumps({"model": "qwen2-7b", "stream": True, "max_tokens": 12,
+                           "messages": [{"role": "user", "content": "hello rackflow"}]})
+        curl = ["curl", "-sN", "--max-time", "60", "--retry", "20", "--retry-connrefused", "--retry-delay", "1",
+                "-H", "Content-Type: application/json", "-d", body, f"http://127.0.0.1:{port}/v1/chat/completions"]
+        out = subprocess.run(curl, capture_output=True, text=True, timeout=90).stdout
+        events = [ln[6:] for ln in out.splitlines() if ln.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", out[-500:]
+        chunks = [json.loads(ev) for ev in events[:-1]]
+        assert chunks[0]["object"] == "chat.completion.chunk" and chunks[0]["choices"][0]["delta"]["role"]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert len(text.split()) == 12, text
+        rid = chunks[0]["id"].removeprefix("chatcmpl-")
+        decided = [f for _e, f in asyncio.run(harness.read_stream(redis_url, "rf:decisions"))
+                   if rid.encode() in f[b"d"]]
+        assert len(decided) >= 2, "route and dispatch decisions of the curl request are in rf:decisions"
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         servers = json.loads((tmp_path / ".rackflow" / "up" / "services.json").read_text())
-        assert len(children) >= 4 + 2 + 1  # workers, batchers, router (services run in their own session)
+        assert len(children) >= 4 + 2 + 1 + 1  # workers, batchers, router, gateway (services: own session)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
-from pipeline.batching.window import PendingRequest
-from pipeline.config import BatcherPolicy, RackflowConfig, load_config
-from pipeline.events import RequestEvent
+from pipeline.batching.window import PendingRequest, WindowBatcher
+from pipeline.config import BatcherPolicy, NodeSelectionPolicy, RackflowConfig, load_config
+from pipeline.events import RequestEvent, TokenEvent
+from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView, RackView
 
 SEED_IN_KB = 200
 SEED_OUT_KB = 1500
+BLOCK_TOKENS = 16
+"""Prefix block size of the node-policy sets built here (small, so a test's prompts span many blocks)."""
 
 
 def request(**overrides: Any) -> RequestEvent:
@@ -30,10 +34,27 @@ def request(**overrides: Any) -> RequestEvent:
         "out_tokens": 200,
         "max_tokens": 200,
         "arrival_ms": 0.0,
+        "route_policy": "",
+        "prefix_hashes": (),
     }
     fields.update(overrides)
     fields.setdefault("mem_est_kb", float(fields["in_tokens"] * SEED_IN_KB + fields["out_tokens"] * SEED_OUT_KB))
     return RequestEvent(**fields)
+
+
+def token_event(**overrides: Any) -> TokenEvent:
+    """Two tokens of one request; `texts` holds the decoded text of each token."""
+    fields: dict[str, Any] = {
+        "request_id": str(uuid.uuid4()),
+        "version": 1,
+        "index": 0,
+        "token_ids": (9906, 1917),
+        "texts": ("Hello", " world"),
+        "ts_ms": 0.0,
+        "node": "r0-n0",
+    }
+    fields.update(overrides)
+    return TokenEvent(**fields)
 
 
 def node_view(name: str, **overrides: Any) -> NodeView:
@@ -67,6 +88,36 @@ def pending(req: RequestEvent | None = None, *, enqueued_ms: float = 0.0, entry_
 
 def batcher_policy(**overrides: Any) -> BatcherPolicy:
     return BatcherPolicy(**overrides)
+
+
+def node_selection(**overrides: Any) -> NodeSelectionPolicy:
+    """Node-selection parameters; the default policy is `weighted` and every override is allowed."""
+    return NodeSelectionPolicy(**overrides)
+
+
+def policy_set(
+    seed: int = 0,
+    *,
+    scope: str = "r0",
+    node_gpus: Mapping[str, str] | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+    **params: Any,
+) -> NodePolicySet:
+    """A NodePolicySet for one rack; `params` are NodeSelectionPolicy fields (policy=..., static_weights=...)."""
+    return NodePolicySet(node_selection(**params), seed, scope, dict(node_gpus or {}), block_tokens)
+
+
+def window_batcher(
+    caps: Mapping[str, float],
+    seed: int = 0,
+    *,
+    node_models: Mapping[str, frozenset[str]] | None = None,
+    selection: Mapping[str, Any] | None = None,
+    **policy: Any,
+) -> WindowBatcher:
+    """A WindowBatcher over nodes with the given caps (KB); `policy` are BatcherPolicy fields, `selection` the
+    NodeSelectionPolicy fields of its node-policy set."""
+    return WindowBatcher(BatcherPolicy(**policy), policy_set(seed, **dict(selection or {})), dict(caps), node_models)
 
 
 @functools.cache

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.events import EVENT_TYPES, BatchEvent, RequestEvent, to_wire
+from pipeline.events import EVENT_TYPES, BatchEvent, RequestEvent, TokenEvent, to_wire
 from streams.codec import decode, encode, encode_fields_for_dlq
 from streams.errors import DecodeError
-from tests.unit.builders import request
+from tests.unit.builders import request, token_event
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 FLOATS = st.floats(allow_nan=False, allow_infinity=False)
@@ -99,6 +99,36 @@ def test_decode_accepts_str_keys_and_str_values_for_v_and_t(ev: RequestEvent) ->
     fields = encode(ev)
     assert decode({k.decode(): v for k, v in fields.items()}) == ev
     assert decode({"v": "1", "t": "request", "d": fields[b"d"]}) == ev
+
+
+def test_request_routing_fields_survive_the_round_trip() -> None:
+    ev = request(route_policy="kv_aware", prefix_hashes=(0, 1, 2**63 - 1))
+    assert decode(encode(ev)) == ev
+
+
+def test_request_from_a_producer_without_route_policy_or_prefix_hashes_gets_their_defaults() -> None:
+    wire = to_wire(request(route_policy="kv_aware", prefix_hashes=(5,)))
+    del wire["route_policy"], wire["prefix_hashes"]
+    ev = decode(entry("request", wire))
+    assert isinstance(ev, RequestEvent)
+    assert (ev.route_policy, ev.prefix_hashes) == ("", ())
+
+
+def test_token_event_keeps_one_text_per_token_and_joins_them_as_text() -> None:
+    ev = token_event(token_ids=(1, 2, 3), texts=("你", "好", "!"))
+    out = decode(encode(ev))
+    assert out == ev
+    assert isinstance(out, TokenEvent)
+    assert out.texts == ("你", "好", "!") and out.text == "你好!"
+    assert "text" not in to_wire(ev)  # a property, not a wire field
+
+
+def test_token_event_texts_must_be_a_list_of_strings() -> None:
+    wire = to_wire(token_event())
+    wire["texts"] = "Hello world"
+    assert "tokens.texts: expected a list, got str" in reason(entry("tokens", wire))
+    wire["texts"] = ["Hello", 7]
+    assert "tokens.texts[1]: expected a string, got int" in reason(entry("tokens", wire))
 
 
 def test_decode_ignores_unknown_payload_keys_from_newer_producers() -> None:

@@ -62,7 +62,32 @@ def test_unknown_policy_name_lists_the_allowed_literal() -> None:
     raw["policies"]["router"]["policy"] = "foo"
     msg = error_of(raw)
     assert "policies.router.policy" in msg
-    assert "'rack-affinity'" in msg and "(got 'foo')" in msg
+    assert "'rack_affinity'" in msg and "(got 'foo')" in msg
+
+
+def test_unknown_node_policy_name_lists_all_seven_policies() -> None:
+    raw = base()
+    raw["policies"]["node_selection"]["policy"] = "weighted-random"  # the foundation's old name
+    msg = error_of(raw)
+    assert "policies.node_selection.policy" in msg and "(got 'weighted-random')" in msg
+    for name in ("round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted",
+                 "kv_aware"):
+        assert f"'{name}'" in msg
+
+
+def test_unknown_name_in_allowed_overrides_is_rejected_with_its_index() -> None:
+    raw = base()
+    raw["policies"]["node_selection"]["allowed_overrides"] = ["random", "fastest"]
+    msg = error_of(raw)
+    assert "policies.node_selection.allowed_overrides.1" in msg and "'fastest'" in msg
+
+
+def test_repository_policies_name_rack_affinity_and_weighted_by_default() -> None:
+    pol = config().policies
+    assert pol.router.policy == "rack_affinity"
+    assert pol.node_selection.policy == "weighted"
+    assert pol.node_selection.allow_request_override
+    assert pol.profiling.token_rates.cjk == 1.4
 
 
 @pytest.mark.parametrize(
@@ -71,6 +96,8 @@ def test_unknown_policy_name_lists_the_allowed_literal() -> None:
         (lambda r: r["policies"]["batcher"], "policies.batcher.windw_ms"),
         (lambda r: r["gpus"]["a100-80gb"], "gpus.a100-80gb.windw_ms"),
         (lambda r: r["cluster"]["racks"][0], "cluster.racks.0.windw_ms"),
+        (lambda r: r["gateway"]["auth"], "gateway.auth.windw_ms"),
+        (lambda r: r["policies"]["node_selection"]["kv_aware"], "policies.node_selection.kv_aware.windw_ms"),
         (lambda r: r, "windw_ms"),
     ],
 )
@@ -183,3 +210,102 @@ def test_model_whose_hidden_size_is_not_a_multiple_of_heads_is_rejected() -> Non
     raw = base()
     raw["models"]["qwen2-7b"]["heads"] = 27
     assert "models.qwen2-7b" in error_of(raw) and "multiple of heads" in error_of(raw)
+
+
+# -- model-aware placement, token rates and the gateway section ---------------------------------------------------
+
+
+def test_model_on_a_gpu_outside_its_gpu_pool_names_the_node_and_the_pool() -> None:
+    raw = base()
+    raw["models"]["qwen2-7b"]["gpu_pool"] = ["a100-80gb"]
+    msg = error_of(raw)
+    assert "cluster.racks.0.node.gpu" in msg and "r0-n0" in msg
+    assert "qwen2-7b is placed on a100-80gb only (models.qwen2-7b.gpu_pool), not h100-80gb" in msg
+
+
+def test_unknown_gpu_in_a_gpu_pool_lists_the_known_gpus() -> None:
+    raw = base()
+    raw["models"]["qwen2-7b"]["gpu_pool"] = ["h100-80gb", "tpu-v5"]
+    msg = error_of(raw)
+    assert "models.qwen2-7b.gpu_pool: unknown gpu 'tpu-v5'" in msg
+    assert "allowed: a100-80gb, h100-80gb, h200-141gb" in msg
+
+
+def test_model_without_gpu_pool_may_run_on_any_gpu() -> None:
+    raw = base()
+    assert "gpu_pool" not in raw["models"]["llama-2-7b"]
+    raw["cluster"]["racks"][0]["node"] = {"gpu": "a100-80gb", "tp": 1, "models": ["llama-2-7b"]}
+    assert parse_config(raw).node("r0-n0").models == ("llama-2-7b",)
+
+
+def test_nodes_serving_a_model_follow_the_racks_models() -> None:
+    raw = base()
+    raw["cluster"]["racks"][1]["node"] = {"gpu": "h100-80gb", "tp": 4, "models": ["qwen2-72b"]}
+    cfg = parse_config(raw)
+    assert cfg.nodes_serving("qwen2-72b") == tuple(f"r1-n{i}" for i in range(4))
+    assert cfg.nodes_serving("qwen2-7b", "r1") == ()
+    assert cfg.racks_serving("qwen2-7b") == ("r0",)
+    assert cfg.node_mem_budget_kb("r1-n0") == pytest.approx(4 * 72e6)  # tp=4: four GPUs' memory
+
+
+def test_model_token_rates_override_the_profiling_default() -> None:
+    raw = base()
+    raw["models"]["qwen2-7b"]["token_rates"] = {"cjk": 1.1, "latin": 3.6, "code": 2.7}
+    cfg = parse_config(raw)
+    assert (cfg.token_rates("qwen2-7b").cjk, cfg.token_rates("qwen2-7b").code) == (1.1, 2.7)
+    assert cfg.token_rates("llama-2-7b") == cfg.policies.profiling.token_rates
+
+
+@pytest.mark.parametrize(("rates", "path"), [({"cjk": 0}, "cjk"), ({"latin": -1.0}, "latin"), ({"code": 99}, "code")])
+def test_token_rates_out_of_bounds_name_the_field(rates: dict[str, float], path: str) -> None:
+    raw = base()
+    raw["models"]["qwen2-7b"]["token_rates"] = rates
+    assert f"models.qwen2-7b.token_rates.{path}" in error_of(raw)
+
+
+def test_gateway_section_is_loaded_from_gateway_yaml() -> None:
+    gw = config().gateway
+    assert (gw.host, gw.port, gw.auth.mode, gw.auth.secret_env) == ("127.0.0.1", 8000, "hs256", "RACKFLOW_JWT_SECRET")
+    assert gw.max_body_bytes == 4 * 1024 * 1024
+
+
+@pytest.mark.parametrize(("field", "value", "expect"), [
+    (("port",), 70_000, "gateway.port"),
+    (("auth", "mode"), "basic", "gateway.auth.mode"),
+    (("max_n",), 2, "gateway.max_n"),
+])
+def test_bad_gateway_value_names_its_field_path(field: tuple[str, ...], value: object, expect: str) -> None:
+    raw = base()
+    where = raw["gateway"]
+    for key in field[:-1]:
+        where = where[key]
+    where[field[-1]] = value
+    assert expect in error_of(raw)
+
+
+def test_override_file_may_set_the_gateway_and_lists_it_among_allowed_keys(tmp_path: Path) -> None:
+    over = tmp_path / "gw.yaml"
+    over.write_text(yaml.safe_dump({"gateway": {"port": 0, "auth": {"mode": "none"}}}))
+    cfg = load_config(DEFAULT_CONFIG_DIR, [over])
+    assert (cfg.gateway.port, cfg.gateway.auth.mode) == (0, "none")
+    assert cfg.gateway.auth.secret_env == config().gateway.auth.secret_env  # siblings kept
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"gatway": {"port": 1}}))
+    with pytest.raises(ConfigError, match="allowed: gpus, models, cluster, policies, gateway"):
+        load_config(DEFAULT_CONFIG_DIR, [typo])
+
+
+@pytest.mark.parametrize("example", sorted((DEFAULT_CONFIG_DIR / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_override_files_load(example: Path) -> None:
+    cfg = load_config(DEFAULT_CONFIG_DIR, [example])
+    for node in cfg.nodes():
+        for m in node.models:
+            pool = cfg.models[m].gpu_pool
+            assert not pool or node.gpu in pool
+
+
+@pytest.mark.parametrize("weight", [-1.0, math.inf, math.nan], ids=["negative", "inf", "nan"])
+def test_static_weight_out_of_bounds_is_rejected_naming_the_field(weight: float) -> None:
+    raw = base()
+    raw["policies"]["node_selection"]["static_weights"] = {"r0-n0": weight}
+    assert "policies.node_selection.static_weights" in error_of(raw)

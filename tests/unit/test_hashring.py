@@ -192,3 +192,20 @@ def test_unknown_model_raises_key_error_listing_served_models() -> None:
 def test_load_bound_below_one_is_rejected() -> None:
     with pytest.raises(ValueError, match="load_bound"):
         router(0.99)
+
+
+def test_load_slack_is_the_absolute_headroom_above_load_bound_times_mean() -> None:
+    user = "user-7"
+    walk = HashRing(RACKS, 160).walk(user)
+    racks = {r: rack_view(r, load=2.0) for r in RACKS}
+    racks[walk[0]] = rack_view(walk[0], load=14.0)  # mean 5, 1.25 x mean = 6.25
+    slack = RackAffinityRouter({"qwen2-7b": RACKS}, 160, 1.25, load_slack=8.0)  # bound 14.25: keeps affinity
+    assert slack.route(user, "qwen2-7b", racks).rack == walk[0]
+    tight = RackAffinityRouter({"qwen2-7b": RACKS}, 160, 1.25, load_slack=7.0)  # bound 13.25: walks
+    assert (tight.route(user, "qwen2-7b", racks).rack, tight.route(user, "qwen2-7b", racks).reason) == (
+        walk[1], "walked")
+
+
+def test_negative_load_slack_is_rejected() -> None:
+    with pytest.raises(ValueError, match="load_slack"):
+        RackAffinityRouter({"qwen2-7b": RACKS}, 160, 1.25, load_slack=-1.0)

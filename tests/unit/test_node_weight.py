@@ -1,4 +1,5 @@
-"""The node weight W = (free/total) * (1 - pcie/100) * exp(-k * latency) and weighted-random dispatch on it."""
+"""The node weight W = (free/total) * (1 - pcie/100) * exp(-k * latency) and the `weighted` node policy on it
+(weighted-random dispatch, sampled in log space so it stays defined when every W underflows)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.routing.node_policies.base import NodeChoice
+from pipeline.routing.node_policies.weighted import Weighted, node_log_weight, node_weight
 from pipeline.routing.views import NodeView
-from pipeline.routing.weighted_random import WeightedRandomSelector, node_log_weight, node_weight
 from tests.unit.builders import node_view
 
 K = 0.05
@@ -81,18 +83,20 @@ def test_ineligible_node_has_zero_weight_and_is_never_chosen(overrides: dict[str
     bad = node_view("bad", **overrides)
     assert node_weight(bad, K) == 0.0
     assert node_log_weight(bad, K) == -math.inf
-    sel = WeightedRandomSelector(K, random.Random(1))
+    sel = Weighted(K, random.Random(1))
     good = node_view("good", free_vram_gb=1.0, pcie_util_pct=99.0, avg_latency_ms=200.0)  # tiny but positive
     assert sel.scores([bad, good]) == {"bad": 0.0, "good": 1.0}
-    assert all(sel.choose([bad, good])[0] == "good" for _ in range(200))
-    choice, draw, probs = sel.choose([bad])
-    assert choice is None
-    assert 0.0 <= draw < 1.0
-    assert probs == {"bad": 0.0}
+    assert all(sel.choose([bad, good]).node == "good" for _ in range(200))
+    ch = sel.choose([bad])
+    assert ch.node is None
+    assert 0.0 <= ch.draw < 1.0
+    assert ch.scores == {"bad": 0.0}
 
 
 def test_choose_with_no_nodes_returns_none() -> None:
-    assert WeightedRandomSelector(K, random.Random(0)).choose([])[0] is None
+    ch = Weighted(K, random.Random(0)).choose([])
+    assert isinstance(ch, NodeChoice)
+    assert ch.node is None and dict(ch.scores) == {}
 
 
 NODES = st.lists(
@@ -118,7 +122,7 @@ def test_scores_sum_to_one_over_eligible_nodes_and_follow_log_weights(
     specs: list[tuple[float, float, float, float, bool]],
 ) -> None:
     nodes = views_of(specs)
-    scores = WeightedRandomSelector(K, random.Random(0)).scores(nodes)
+    scores = Weighted(K, random.Random(0)).scores(nodes)
     assert set(scores) == {n.name for n in nodes}
     logs = {n.name: node_log_weight(n, K) for n in nodes}
     eligible = [n for n, lw in logs.items() if lw > -math.inf]
@@ -139,7 +143,7 @@ def test_scores_stay_proportional_to_w_when_every_w_underflows() -> None:
     a = node_view("a", free_vram_gb=60.0, pcie_util_pct=0.0, avg_latency_ms=20_000.0)
     b = node_view("b", free_vram_gb=20.0, pcie_util_pct=0.0, avg_latency_ms=20_010.0)
     assert node_weight(a, K) == node_weight(b, K) == 0.0  # exp(-1000) underflows
-    scores = WeightedRandomSelector(K, random.Random(0)).scores([a, b])
+    scores = Weighted(K, random.Random(0)).scores([a, b])
     expected_ratio = math.exp(-0.05 * (20_000.0 - 20_010.0)) * (60.0 / 20.0)
     assert scores["a"] / scores["b"] == pytest.approx(expected_ratio, rel=1e-9)
     assert scores["a"] + scores["b"] == pytest.approx(1.0)
@@ -152,10 +156,10 @@ def test_empirical_choice_frequencies_match_scores_over_20k_draws() -> None:
         node_view("c", free_vram_gb=60.0, pcie_util_pct=0.0, avg_latency_ms=30.0),
         node_view("d", free_vram_gb=50.0, pcie_util_pct=0.0, avg_latency_ms=5.0, active=False),
     ]
-    sel = WeightedRandomSelector(K, random.Random(20231116))
+    sel = Weighted(K, random.Random(20231116))
     scores = sel.scores(nodes)
     draws = 20_000
-    counts = collections.Counter(sel.choose(nodes)[0] for _ in range(draws))
+    counts = collections.Counter(sel.choose(nodes).node for _ in range(draws))
     assert counts["d"] == 0
     for name in "abc":
         assert counts[name] / draws == pytest.approx(scores[name], abs=0.02), (name, counts, scores)
@@ -167,10 +171,11 @@ def test_same_seed_reproduces_the_same_sequence_of_choices_and_draws(
     specs: list[tuple[float, float, float, float, bool]], seed: int
 ) -> None:
     nodes = views_of(specs)
-    a = WeightedRandomSelector(K, random.Random(seed))
-    b = WeightedRandomSelector(K, random.Random(seed))
-    seq_a = [a.choose(nodes)[:2] for _ in range(20)]
-    assert seq_a == [b.choose(list(reversed(nodes)))[:2] for _ in range(20)]  # node order does not matter
+    a = Weighted(K, random.Random(seed))
+    b = Weighted(K, random.Random(seed))
+    seq_a = [(c.node, c.draw) for c in (a.choose(nodes) for _ in range(20))]
+    seq_b = [(c.node, c.draw) for c in (b.choose(list(reversed(nodes))) for _ in range(20))]
+    assert seq_a == seq_b  # node order does not matter
 
 
 @settings(max_examples=100, deadline=None)
@@ -179,7 +184,8 @@ def test_choice_is_an_eligible_node_whose_cumulative_probability_covers_the_draw
     specs: list[tuple[float, float, float, float, bool]], seed: int
 ) -> None:
     nodes = views_of(specs)
-    choice, draw, probs = WeightedRandomSelector(K, random.Random(seed)).choose(nodes)
+    ch = Weighted(K, random.Random(seed)).choose(nodes)
+    choice, draw, probs = ch.node, ch.draw, dict(ch.scores)
     if not any(p > 0 for p in probs.values()):
         assert choice is None
         return

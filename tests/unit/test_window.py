@@ -1,31 +1,44 @@
-"""WindowBatcher: memory-budget packing, window close rules and the no-starvation guarantee."""
+"""WindowBatcher: memory-budget packing, window close rules, the no-starvation guarantee, model-aware placement,
+per-request policy overrides and the dispatch decisions recorded for replay."""
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.batching.ledger import ReservationLedger, stream_id_key
-from pipeline.batching.window import CloseReason, PendingRequest, StopReason, WindowBatcher
+from pipeline.batching.window import CloseReason, PendingRequest, StopReason, WindowBatcher, WindowOutcome
 from pipeline.clock import ManualClock
-from pipeline.config import BatcherPolicy
-from pipeline.routing.weighted_random import WeightedRandomSelector
-from tests.unit.builders import node_view, pending, request
+from pipeline.config import NodePolicyName
+from tests.unit.builders import node_view, pending, request, window_batcher
+
+ALL_POLICIES: tuple[NodePolicyName, ...] = (
+    "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware"
+)
 
 
-def make_batcher(caps: Mapping[str, float], seed: int = 0, **policy: object) -> WindowBatcher:
-    return WindowBatcher(BatcherPolicy(**policy), WeightedRandomSelector(0.05, random.Random(seed)), dict(caps))
+def make_batcher(caps: Mapping[str, float], seed: int = 0, **policy: Any) -> WindowBatcher:
+    """A batcher with the default node policy (`weighted`, the seed's W-weighted random)."""
+    return window_batcher(caps, seed, **policy)
 
 
-def sized(mem_kb: float, *, arrival_ms: float = 0.0, enqueued_ms: float = 0.0, waited: int = 0) -> PendingRequest:
-    p = pending(request(mem_est_kb=float(mem_kb), arrival_ms=arrival_ms), enqueued_ms=enqueued_ms)
+def sized(
+    mem_kb: float, *, arrival_ms: float = 0.0, enqueued_ms: float = 0.0, waited: int = 0, **req: Any
+) -> PendingRequest:
+    p = pending(request(mem_est_kb=float(mem_kb), arrival_ms=arrival_ms, **req), enqueued_ms=enqueued_ms)
     p.windows_waited = waited
     return p
+
+
+def node_of(out: WindowOutcome, p: PendingRequest) -> str | None:
+    return next((plan.node for plan in out.plans if p in plan.requests), None)
 
 
 # -- packing invariants (one close) ------------------------------------------------------------------------------
@@ -102,6 +115,10 @@ def test_close_packs_within_budgets_and_accounts_for_every_request(
         assert plan.mem_est_kb <= plan.budget_kb <= min(caps[plan.node], max(0.0, view.kv_free_kb))
         assert sum(plan.probabilities.values()) == pytest.approx(1.0)
         assert plan.probabilities[plan.node] > 0.0
+        # one weighted decision per plan: the node was chosen once and then packed first fit
+        assert [(c.policy, c.node) for c in plan.choices] == [("weighted", plan.node)]
+        assert plan.choices[0].request_ids == tuple(p.request.request_id for p in plan.requests)
+        assert 0.0 <= plan.draw < 1.0
         # aged requests first (oldest first), then fresh ones by ascending memory
         aged = [p for p in plan.requests if p.windows_waited >= age_after]
         fresh = [p for p in plan.requests if p.windows_waited < age_after]
@@ -359,3 +376,201 @@ def test_reservations_subtract_from_free_memory_until_the_node_admits_their_entr
 def test_ledger_without_reservations_returns_the_view_unchanged() -> None:
     view = node_view("n0", kv_free_kb=5.0)
     assert ReservationLedger().apply(view, "") == view
+
+
+# -- model-aware placement ----------------------------------------------------------------------------------------
+
+MODELS = ("m1", "m2", "m3")  # m3 is served by no node of the rack
+ROUTE_POLICIES = st.sampled_from(["", "bogus", *ALL_POLICIES])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    served=st.lists(st.sets(st.sampled_from(MODELS[:2]), min_size=1), min_size=1, max_size=4),
+    caps=st.lists(st.integers(1_000, 100_000), min_size=4, max_size=4),
+    free=st.lists(st.integers(0, 120_000), min_size=4, max_size=4),
+    reqs=st.lists(st.tuples(st.integers(1, 110_000), st.sampled_from(MODELS), ROUTE_POLICIES, st.integers(0, 6),
+                            st.integers(0, 3)), max_size=30),
+    allowed=st.lists(st.sampled_from(ALL_POLICIES), unique=True),
+    default=st.sampled_from(ALL_POLICIES),
+    seed=st.integers(0, 2**32),
+)
+def test_requests_go_only_to_nodes_serving_their_model_and_each_is_recorded_in_exactly_one_decision(
+    served: list[set[str]], caps: list[int], free: list[int], reqs: list[tuple[int, str, str, int, int]],
+    allowed: list[NodePolicyName], default: NodePolicyName, seed: int,
+) -> None:
+    names = [f"n{i}" for i in range(len(served))]
+    node_models = {n: frozenset(m) for n, m in zip(names, served, strict=False)}
+    node_caps = {n: float(c) for n, c in zip(names, caps, strict=False)}
+    batcher = window_batcher(node_caps, seed, node_models=node_models, age_after_windows=3,
+                             selection={"policy": default, "allowed_overrides": tuple(allowed)})
+    views = [node_view(n, kv_free_kb=float(f), running=i % 3)
+             for i, (n, f) in enumerate(zip(names, free, strict=False))]
+    hashes = {k: tuple(range(k * 100, k * 100 + 4)) for k in range(4)}  # four shared prompt prefixes
+    offered = [
+        sized(m, arrival_ms=float(i), waited=w, model=model, route_policy=rp, in_tokens=64, prefix_hashes=hashes[k])
+        for i, (m, model, rp, w, k) in enumerate(reqs)
+    ]
+    for p in offered:
+        batcher.offer(p)
+
+    out = batcher.close(1_000.0, views)
+
+    planned = {id(p): plan for plan in out.plans for p in plan.requests}
+    rejected = {id(r.pending): r.reason for r in out.rejections}
+    assert len(planned) + len(rejected) + len(batcher.pending) == len(offered)  # none lost, none duplicated
+    for p in offered:
+        req = p.request
+        serving_caps = [node_caps[n] for n in names if req.model in node_models[n]]
+        if not serving_caps:
+            assert rejected[id(p)] == f"no node of this rack serves model {req.model!r}"
+        elif req.mem_est_kb > max(serving_caps):
+            assert "exceeds the largest node budget" in rejected[id(p)] and req.model in rejected[id(p)]
+        else:
+            assert id(p) not in rejected  # it fits a node serving its model: it is planned or waits
+        if id(p) in planned:
+            assert req.model in node_models[planned[id(p)].node]
+    # every planned request is in exactly one decision, of the plan that holds it, made by the policy it asked for
+    decided = collections.Counter(rid for c in out.choices for rid in c.request_ids)
+    for plan in out.plans:
+        assert plan.mem_est_kb <= plan.budget_kb
+        assert sorted(rid for c in plan.choices for rid in c.request_ids) == sorted(
+            p.request.request_id for p in plan.requests)
+        for c in plan.choices:
+            assert c.node == plan.node and c.request_ids
+        for p in plan.requests:
+            assert decided[p.request.request_id] == 1
+            (c,) = [c for c in plan.choices if p.request.request_id in c.request_ids]
+            asked = p.request.route_policy
+            assert c.policy == (asked if asked in allowed else default)
+    assert sum(decided.values()) == len(planned)
+
+
+def test_request_for_a_model_no_node_of_the_rack_serves_is_rejected_naming_the_model() -> None:
+    batcher = window_batcher({"a": 100.0, "b": 100.0}, node_models={"a": frozenset({"m1"}), "b": frozenset({"m2"})})
+    lost = sized(10, model="qwen2-72b")
+    batcher.offer(lost)
+    batcher.offer(sized(10, model="m2"))
+    out = batcher.close(100.0, [node_view("a", kv_free_kb=100.0), node_view("b", kv_free_kb=100.0)])
+    assert [(r.pending, r.reason) for r in out.rejections] == [
+        (lost, "no node of this rack serves model 'qwen2-72b'")]
+    assert [(plan.node, len(plan.requests)) for plan in out.plans] == [("b", 1)]
+
+
+def test_a_request_is_never_placed_on_a_node_that_does_not_serve_its_model_even_when_only_that_node_has_room() -> None:
+    batcher = window_batcher({"a": 100.0, "b": 100.0}, node_models={"a": frozenset({"m1"}), "b": frozenset({"m2"})})
+    p = sized(50, model="m1")
+    batcher.offer(p)
+    out = batcher.close(100.0, [node_view("a", kv_free_kb=20.0), node_view("b", kv_free_kb=100.0)])
+    assert out.plans == () and batcher.pending == [p] and out.rejections == ()
+    assert out.stop is StopReason.NO_BUDGET
+
+
+def test_size_limit_is_the_largest_cap_among_nodes_serving_the_model() -> None:
+    caps = {"small": 60e6, "big": 100e6}
+    batcher = window_batcher(caps, node_models={"small": frozenset({"m1"}), "big": frozenset({"m2"})})
+    too_big = sized(80e6, model="m1")  # fits "big", which does not serve m1: it could never run here
+    batcher.offer(too_big)
+    out = batcher.close(100.0, [node_view("small", kv_free_kb=60e6), node_view("big", kv_free_kb=100e6)])
+    assert [r.pending for r in out.rejections] == [too_big]
+    assert "80.0 GB exceeds the largest node budget 60.0 GB for m1" in out.rejections[0].reason
+
+
+def test_reserved_node_serves_the_aged_request_model() -> None:
+    caps = {"a": 100_000.0, "b": 100_000.0, "c": 100_000.0}
+    models = {"a": frozenset({"m2"}), "b": frozenset({"m1"}), "c": frozenset({"m1", "m2"})}
+    batcher = window_batcher(caps, node_models=models, age_after_windows=1)
+    batcher.offer(sized(80_000, model="m1"))
+    nodes = [node_view("a", kv_free_kb=90_000.0, running=3), node_view("b", kv_free_kb=20_000.0, running=3),
+             node_view("c", kv_free_kb=10_000.0, running=3)]
+    out = batcher.close(100.0, nodes)
+    assert out.reserved_node == "b"  # "a" is closest to holding it but cannot run m1
+
+
+# -- node policies in the window: overrides, batch-level vs per-request, decision records -------------------------
+
+
+def override_nodes() -> list[Any]:
+    """`idle` has no outstanding work but W = 0 (saturated PCIe link): `weighted` never picks it and
+    `least_outstanding` always does."""
+    return [node_view("busy", kv_free_kb=1e6, running=9, waiting=4), node_view("idle", kv_free_kb=1e6,
+                                                                             pcie_util_pct=100.0)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_request_asking_for_least_outstanding_is_placed_by_it_while_the_default_is_weighted(seed: int) -> None:
+    batcher = window_batcher({"busy": 1e6, "idle": 1e6}, seed)
+    mine, other = sized(10, route_policy="least_outstanding"), sized(20)
+    batcher.offer(mine)
+    batcher.offer(other)
+    out = batcher.close(100.0, override_nodes())
+    assert (node_of(out, mine), node_of(out, other)) == ("idle", "busy")
+    assert {(c.policy, c.node, c.request_ids) for c in out.choices} == {
+        ("least_outstanding", "idle", (mine.request.request_id,)), ("weighted", "busy", (other.request.request_id,))}
+    lo = next(c for c in out.choices if c.policy == "least_outstanding")
+    assert dict(lo.scores) == {"busy": 13.0, "idle": 0.0} and lo.draw == -1.0  # what it saw; deterministic
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [{"allowed_overrides": ("random", "kv_aware")}, {"allow_request_override": False}],
+    ids=["not-allowed", "overrides-off"],
+)
+def test_a_disallowed_override_falls_back_to_the_default_policy(selection: dict[str, Any]) -> None:
+    batcher = window_batcher({"busy": 1e6, "idle": 1e6}, selection=selection)
+    mine = sized(10, route_policy="least_outstanding")
+    batcher.offer(mine)
+    out = batcher.close(100.0, override_nodes())
+    assert node_of(out, mine) == "busy"
+    assert [c.policy for c in out.choices] == ["weighted"]
+
+
+def test_batch_level_policy_makes_one_decision_and_packs_first_fit_into_the_node_it_chose() -> None:
+    batcher = window_batcher({"n0": 100.0, "n1": 100.0, "n2": 100.0}, selection={"policy": "round_robin"})
+    small = [sized(m, arrival_ms=float(i)) for i, m in enumerate((30, 30, 30, 60))]
+    for p in small:
+        batcher.offer(p)
+    out = batcher.close(100.0, [node_view(n, kv_free_kb=100.0) for n in ("n0", "n1", "n2")])
+    assert [(c.node, len(c.request_ids)) for c in out.choices] == [("n0", 3), ("n1", 1)]
+    assert [node_of(out, p) for p in small] == ["n0", "n0", "n0", "n1"]
+    assert all(c.policy == "round_robin" for c in out.choices)
+
+
+def test_per_request_kv_aware_places_each_request_and_sees_earlier_placements_of_the_same_window() -> None:
+    batcher = window_batcher({"a": 1e6, "b": 1e6}, selection={"policy": "kv_aware"})
+    shared = tuple(range(64))  # 64 blocks of 16 tokens: the whole 1024-token prompt
+    first = sized(10, arrival_ms=0.0, in_tokens=1024, prefix_hashes=shared)
+    again = sized(10, arrival_ms=1.0, in_tokens=1024, prefix_hashes=shared)
+    fresh = sized(10, arrival_ms=2.0, in_tokens=1024, prefix_hashes=tuple(range(1000, 1064)))
+    for p in (first, again, fresh):
+        batcher.offer(p)
+    out = batcher.close(100.0, [node_view("a", kv_free_kb=1e6), node_view("b", kv_free_kb=1e6)])
+    # first: a tie (1024 each) goes to "a"; again: cached on "a" (0 + 256 x 1 outstanding) beats "b" (1024);
+    # fresh: "a" costs 1024 + 256 x 2, "b" 1024
+    assert [node_of(out, p) for p in (first, again, fresh)] == ["a", "a", "b"]
+    assert [(c.policy, c.node, len(c.request_ids)) for c in out.choices] == [
+        ("kv_aware", "a", 1), ("kv_aware", "a", 1), ("kv_aware", "b", 1)]
+    assert dict(out.plans[0].choices[1].scores) == {"a": 256.0, "b": 1024.0}
+
+
+def test_same_seed_and_window_reproduce_the_same_plans_and_decisions() -> None:
+    def run(seed: int) -> list[tuple[str, str, tuple[str, ...], float]]:
+        batcher = window_batcher({f"n{i}": 100.0 for i in range(4)}, seed)
+        rng = random.Random(7)
+        for i in range(30):
+            batcher.offer(pending(request(request_id=f"r{i}", mem_est_kb=float(rng.randint(1, 60)),
+                                          route_policy=rng.choice(["", "random", "power_of_two"]))))
+        out = batcher.close(100.0, [node_view(f"n{i}", kv_free_kb=100.0, running=i) for i in range(4)])
+        return [(c.policy, c.node, c.request_ids, c.draw) for c in out.choices]
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+def test_stop_reason_is_no_node_when_the_policy_finds_no_eligible_node_among_nodes_with_room() -> None:
+    batcher = make_batcher({"a": 100.0, "b": 100.0})
+    batcher.offer(sized(10))
+    out = batcher.close(100.0, [node_view("a", kv_free_kb=100.0, pcie_util_pct=100.0),
+                                node_view("b", kv_free_kb=100.0, free_vram_gb=0.0)])
+    assert out.plans == () and out.waiting == 1
+    assert out.stop is StopReason.NO_NODE

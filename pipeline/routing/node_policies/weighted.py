@@ -1,4 +1,4 @@
-"""Node policy `weighted-random`: dispatch weighted-random on the live node weight (ARCHITECTURE §3)
+"""`weighted`: the seed's live node weight, weighted-random dispatch (ARCHITECTURE §3)
 
     W_node = (free_vram_gb / vram_total_gb) * (1 - pcie_util_pct / 100) * exp(-k * avg_latency_ms),  k = 0.05
 
@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from typing import ClassVar
 
+from pipeline.events import RequestEvent
+from pipeline.routing.node_policies.base import NodeChoice, weighted_draw
 from pipeline.routing.views import NodeView
 
 
@@ -33,8 +36,9 @@ def node_weight(node: NodeView, latency_decay_per_ms: float) -> float:
     return 0.0 if lw == -math.inf else math.exp(lw)
 
 
-class WeightedRandomSelector:
-    name = "weighted-random"
+class Weighted:
+    name: ClassVar[str] = "weighted"
+    per_request: ClassVar[bool] = False
 
     def __init__(self, latency_decay_per_ms: float, rng: random.Random) -> None:
         self.k = latency_decay_per_ms
@@ -51,18 +55,14 @@ class WeightedRandomSelector:
         total = sum(rel.values())
         return {name: r / total for name, r in rel.items()}
 
-    def choose(self, nodes: Sequence[NodeView]) -> tuple[str | None, float, dict[str, float]]:
-        """(chosen node or None if no node is eligible, the random draw, the probabilities)."""
+    def choose(self, nodes: Sequence[NodeView], req: RequestEvent | None = None) -> NodeChoice:
         probs = self.scores(nodes)
         draw = self.rng.random()
-        acc = 0.0
-        last = None
-        for n in sorted(probs):  # fixed order so a seed reproduces the choice
-            p = probs[n]
-            if p <= 0.0:
-                continue
-            acc += p
-            last = n
-            if draw < acc:
-                return n, draw, probs
-        return last, draw, probs
+        return NodeChoice(weighted_draw(probs, draw), draw, probs)
+
+    def observe(self, node: str, req: RequestEvent) -> None:
+        return None
+
+
+# The name the foundation used; kept so existing imports keep working.
+WeightedRandomSelector = Weighted
