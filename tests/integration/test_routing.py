@@ -101,3 +101,37 @@ def test_stale_node_is_not_routed_to(cluster) -> None:  # type: ignore[no-untype
         os.kill(paused.proc.pid, signal.SIGCONT)
     assert len(got) == 12
     assert {e.node for e in got.values()} == {"r0-n1"}, "a node with stale status got work"
+
+
+def test_user_output_ewma_is_updated_on_completion_and_feeds_the_estimate(cluster) -> None:  # type: ignore[no-untyped-def]
+    import redis.asyncio as aioredis
+
+    from workers.gateway import Gateway
+
+    config, _procs, url = cluster
+    for n in (4, 8, 12):  # one after the other, so the EWMA sees them in this order
+        item = ProfileInput(str(uuid.uuid4()), "t-ewma", "alice", "qwen2-7b", WALL.now_ms(), prompt_tokens=50,
+                            max_tokens=n)
+        sent = asyncio.run(harness.submit(config, url, [item]))
+        asyncio.run(harness.wait_results(url, {sent[0].request_id}, timeout_s=30))
+    expected = 4.0
+    for n in (8, 12):
+        expected = 0.2 * n + 0.8 * expected  # alpha = profiling.ewma_alpha
+
+    async def check() -> tuple[float | None, int, int]:
+        r = aioredis.Redis.from_url(url)
+        try:
+            gw = Gateway(config, r)
+            avg = await gw.user_avg_out("t-ewma", "alice")
+            req = await gw.admit(ProfileInput(str(uuid.uuid4()), "t-ewma", "alice", "qwen2-7b", WALL.now_ms(),
+                                              prompt="hello"))
+            other = await gw.admit(ProfileInput(str(uuid.uuid4()), "t-other", "alice", "qwen2-7b", WALL.now_ms(),
+                                                prompt="hello"))
+            return avg, req.out_tokens, other.out_tokens
+        finally:
+            await r.aclose()
+
+    avg, out_tokens, other_tenant = asyncio.run(check())
+    assert avg == pytest.approx(expected)
+    assert out_tokens == round(expected)
+    assert other_tenant == config.models["qwen2-7b"].default_out_tokens  # history is per tenant and user
