@@ -29,6 +29,9 @@ class _Strict(BaseModel):
 
 
 class GpuSpec(_Strict):
+    arch: Literal["ampere", "hopper", "blackwell"] = "hopper"
+    """Architecture: the cost model's calibrated efficiencies are per architecture, so a GPU that was never
+    profiled (e.g. H200) is predicted from its own peak numbers with its architecture's efficiencies."""
     memory_gb: float = Field(gt=0, le=4096)
     """Device memory in GB (10^9 bytes)."""
     bf16_tflops: float = Field(gt=0, le=100_000)
