@@ -286,6 +286,44 @@ class StreamsPolicy(_Strict):
     """XREADGROUP BLOCK timeout."""
 
 
+class HealthWeights(_Strict):
+    """Weight of each penalty in the health score (score = 1 - sum(weight x penalty), penalties in [0, 1])."""
+
+    xid: float = Field(default=0.6, ge=0, le=1)
+    """New Xid events in the window (GPU faults: a single one is serious)."""
+    ecc: float = Field(default=0.5, ge=0, le=1)
+    """New uncorrectable ECC errors."""
+    nvlink: float = Field(default=0.3, ge=0, le=1)
+    """NVLink CRC / replay errors per window, relative to `nvlink_errors_limit`."""
+    temperature: float = Field(default=0.3, ge=0, le=1)
+    """Temperature between `temp_warn_c` and `temp_limit_c`."""
+    latency: float = Field(default=0.4, ge=0, le=1)
+    """Step latency above the node's baseline, up to `slow_factor` x baseline."""
+    heartbeat: float = Field(default=1.0, ge=0, le=1)
+    """Missing heartbeat (lease expired): the node is gone."""
+
+
+class HealthPolicy(_Strict):
+    weights: HealthWeights = HealthWeights()
+    """Penalty weights."""
+    drain_below: float = Field(default=0.5, ge=0, le=1)
+    """A node whose score falls below this is drained (no new work; live sequences migrate)."""
+    recover_above: float = Field(default=0.8, ge=0, le=1)
+    """A drained node comes back only when its score is above this ... (hysteresis)"""
+    recover_samples: int = Field(default=25, ge=1, le=100_000)
+    """... for this many consecutive samples (25 x 200 ms = 5 s), so a flapping node does not bounce."""
+    temp_warn_c: float = Field(default=80.0, ge=0, le=150)
+    """Temperature where the penalty starts."""
+    temp_limit_c: float = Field(default=90.0, ge=0, le=150)
+    """Temperature of the full penalty."""
+    nvlink_errors_limit: float = Field(default=100.0, gt=0, le=1e12)
+    """NVLink CRC/replay errors per sample that count as a full penalty."""
+    slow_factor: float = Field(default=3.0, gt=1, le=1000)
+    """Step latency this many times the node's baseline is a full latency penalty."""
+    interval_ms: int = Field(default=200, ge=10, le=60_000)
+    """Health sample interval of the agent."""
+
+
 class AuthConfig(_Strict):
     mode: Literal["none", "hs256", "rs256"] = "hs256"
     """`hs256` (shared secret), `rs256` (public key) or `none` (local runs only; the gateway warns at start)."""
@@ -333,6 +371,7 @@ class Policies(_Strict):
     batcher: BatcherPolicy = BatcherPolicy()
     worker: WorkerPolicy = WorkerPolicy()
     streams: StreamsPolicy = StreamsPolicy()
+    health: HealthPolicy = HealthPolicy()
     seed: int = Field(default=20231116, ge=0, le=2**63 - 1)
     """Seed of every random choice (weighted random dispatch); replay reproduces decisions with it."""
 

@@ -287,6 +287,47 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_perf(args: argparse.Namespace) -> int:
+    """`rackflow perf ...`: iteration times from the calibrated cost model; `perf calibrate [--check]` refits it."""
+    from workers import perf
+
+    config = _config(args)
+    if args.action == "calibrate":
+        try:
+            doc, profiles, cal = perf.fresh_document(config.gpus)
+        except (OSError, ValueError) as e:  # unreadable profiles, CalibrationError
+            print(f"rackflow perf calibrate: {e}", file=sys.stderr)
+            return 2
+        ops, iters = perf.error_tables(profiles, cal)
+        print(perf.format_fit(cal), perf.format_operator_errors(ops), perf.format_iteration_errors(iters),
+              perf.format_all_reduce_errors(perf.all_reduce_errors(profiles, cal)), sep="\n\n")
+        target = Path(args.config_dir) / "calibration.json"
+        text = perf.render(doc)
+        if args.check:
+            current = target.read_text(encoding="utf-8") if target.exists() else ""
+            if current != text:
+                print(f"rackflow: {target} is out of date with the profiles, configs/gpus.yaml or the fit; "
+                      "regenerate it with `rackflow perf calibrate`", file=sys.stderr)
+                return 1
+            print(f"\n{target} is up to date")
+            return 0
+        target.write_text(text, encoding="utf-8")
+        print(f"\nwrote {target}")
+        return 0
+    missing = [f"--{n.replace('_', '-')}" for n in ("model", "gpu", "prompt_tokens") if getattr(args, n) is None]
+    if missing:
+        print(f"rackflow perf: {', '.join(missing)} required (or `rackflow perf calibrate`)", file=sys.stderr)
+        return 2
+    try:
+        cal = perf.load_calibration(perf.calibration_path(Path(args.config_dir)))
+        numbers = perf.perf_numbers(config, args.model, args.gpu, args.tp, args.prompt_tokens, args.batch, cal)
+    except ValueError as e:  # DoesNotFit, CalibrationError, a bad --tp/--batch/--prompt-tokens
+        print(f"rackflow perf: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(numbers, indent=2) if args.json else perf.format_perf(numbers))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
 
@@ -368,9 +409,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", choices=["sim"], default=None)
     s.set_defaults(fn=cmd_demo)
 
+    from workers.sim_cli import add_parser as add_sim_parser
+
+    add_sim_parser(sub)
+
     s = sub.add_parser("config", help="validate and summarise the configuration")
     s.add_argument("action", choices=["check"])
     s.set_defaults(fn=cmd_config)
+
+    s = sub.add_parser("perf", help="iteration times from the calibrated cost model; `perf calibrate` refits it")
+    s.add_argument("action", nargs="?", choices=["calibrate"], help="refit on data/profiles/vidur and write "
+                   "configs/calibration.json (with --check: only verify it is up to date)")
+    s.add_argument("--check", action="store_true", help="calibrate: exit 1 if configs/calibration.json is stale")
+    s.add_argument("--model", default=None, help="model name (configs/models.yaml)")
+    s.add_argument("--gpu", default=None, help="GPU type (configs/gpus.yaml)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    s.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (and decode context)")
+    s.add_argument("--batch", type=int, default=1, help="prompts prefilled together / sequences decoding")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_perf)
 
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
     s.add_argument("what", choices=["streams", "profile", "route"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pipeline.batching.ledger import stream_id_key
 from pipeline.config import RackflowConfig
-from pipeline.costmodel import RooflineCostModel
+from pipeline.costmodel import CalibratedCostModel
 from pipeline.events import BatchEvent, HealthEvent, RequestEvent, ResultEvent, TokenEvent
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
@@ -41,12 +41,10 @@ class _Live:
 
 
 def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
-    spec = config.node(node)
-    model = config.models[spec.models[0]]
-    gpu = config.gpus[spec.gpu]
     if engine == "sim":
+        # the committed fit (configs/calibration.json), read once per process; nothing is re-fitted here
         return SimEngine(
-            cost=RooflineCostModel(gpu, model, spec.tp),
+            cost=CalibratedCostModel.for_node(config, node),
             kv_capacity_kb=config.node_mem_budget_kb(node),
             max_running=config.policies.worker.max_running,
             now_ms=WALL.now_ms,

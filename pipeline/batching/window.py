@@ -133,7 +133,7 @@ class WindowBatcher:
         if not self.pending:
             return CloseReason.EMPTY
         assert self.window_open_ms is not None
-        if now_ms - self.window_open_ms >= self.policy.window_ms:
+        if now_ms >= self.window_open_ms + self.policy.window_ms:  # same float expression as the timer
             return CloseReason.WINDOW_ELAPSED
         budgets = self.budgets(nodes)
         if self.policy.close_when_node_idle and any(n.idle and budgets.get(n.name, 0) > 0 for n in nodes):

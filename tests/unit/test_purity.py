@@ -95,7 +95,7 @@ def test_import_linter_contract_catches_a_forbidden_stdlib_import(tmp_path: Path
     for pkg in ("pipeline", "streams", "workers"):
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    with (tmp_path / "pipeline" / "costmodel.py").open("a") as f:
+    with (tmp_path / "pipeline" / "costmodel" / "__init__.py").open("a") as f:
         f.write("\nimport time\n")
     result = run_lint_imports(tmp_path)
     out = result.stdout + result.stderr

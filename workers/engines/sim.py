@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.costmodel import RooflineCostModel
+from pipeline.costmodel import IterationCostModel
 from pipeline.events import RequestEvent
 from pipeline.routing.hashring import stable_hash64
 from workers.engines.base import EngineStats, SeqFinished, StepOutput, TokenOut
@@ -43,7 +43,7 @@ class SimEngine:
 
     def __init__(
         self,
-        cost: RooflineCostModel,
+        cost: IterationCostModel,
         kv_capacity_kb: float,
         max_running: int,
         now_ms: Callable[[], float],

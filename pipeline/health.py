@@ -1,0 +1,103 @@
+"""Health score of a node in [0, 1] from its GPU metrics, with hysteresis (ARCHITECTURE §5).
+
+score = max(0, 1 - sum(weight_i x penalty_i)); penalties in [0, 1]: new Xid events, new uncorrectable ECC errors,
+NVLink CRC/replay errors per sample, temperature over the warning level, step latency over the node's baseline,
+missing heartbeat. A node is drained when its score falls below `drain_below`; it is active again only after
+`recover_samples` consecutive samples above `recover_above` (a flapping node does not bounce). Pure: samples carry
+their own timestamps; the same scorer runs in the live monitor and in the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config import HealthPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSample:
+    node: str
+    ts_ms: float
+    xid_errors: int = 0
+    """Cumulative counters (as NVML reports them); the scorer takes differences."""
+    ecc_errors: int = 0
+    nvlink_crc_errors: int = 0
+    temp_c: float = 0.0
+    avg_latency_ms: float = 0.0
+    heartbeat_ok: bool = True
+
+
+@dataclass(slots=True)
+class _NodeHealth:
+    last: HealthSample | None = None
+    baseline_latency_ms: float = 0.0
+    draining: bool = False
+    good_streak: int = 0
+    score: float = 1.0
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HealthVerdict:
+    node: str
+    score: float
+    draining: bool
+    changed: bool
+    """The node's state flipped with this sample (active -> draining or back)."""
+    reasons: tuple[str, ...]
+
+
+def _clamp(x: float) -> float:
+    return 0.0 if x < 0 else 1.0 if x > 1 else x
+
+
+@dataclass
+class HealthScorer:
+    policy: HealthPolicy
+    nodes: dict[str, _NodeHealth] = field(default_factory=dict)
+
+    def penalties(self, s: HealthSample, prev: HealthSample | None, baseline: float) -> dict[str, float]:
+        p = self.policy
+        d_xid = s.xid_errors - prev.xid_errors if prev else 0
+        d_ecc = s.ecc_errors - prev.ecc_errors if prev else 0
+        d_crc = s.nvlink_crc_errors - prev.nvlink_crc_errors if prev else 0
+        temp = _clamp((s.temp_c - p.temp_warn_c) / max(1e-9, p.temp_limit_c - p.temp_warn_c))
+        lat = 0.0
+        if baseline > 0 and s.avg_latency_ms > 0:
+            lat = _clamp((s.avg_latency_ms / baseline - 1.0) / (p.slow_factor - 1.0))
+        return {
+            "xid": 1.0 if d_xid > 0 else 0.0,
+            "ecc": 1.0 if d_ecc > 0 else 0.0,
+            "nvlink": _clamp(d_crc / p.nvlink_errors_limit),
+            "temperature": temp,
+            "latency": lat,
+            "heartbeat": 0.0 if s.heartbeat_ok else 1.0,
+        }
+
+    def observe(self, s: HealthSample) -> HealthVerdict:
+        st = self.nodes.setdefault(s.node, _NodeHealth())
+        pen = self.penalties(s, st.last, st.baseline_latency_ms)
+        w = self.policy.weights
+        weights = {"xid": w.xid, "ecc": w.ecc, "nvlink": w.nvlink, "temperature": w.temperature,
+                   "latency": w.latency, "heartbeat": w.heartbeat}
+        score = max(0.0, 1.0 - sum(weights[k] * v for k, v in pen.items()))
+        reasons = tuple(sorted(k for k, v in pen.items() if v > 0))
+        # the latency baseline follows a healthy node slowly and never learns from a sick one
+        if score >= self.policy.recover_above and s.avg_latency_ms > 0:
+            b = st.baseline_latency_ms
+            st.baseline_latency_ms = s.avg_latency_ms if b == 0 else min(b * 1.05, 0.95 * b + 0.05 * s.avg_latency_ms)
+        st.last = s
+        st.score = score
+        st.reasons = reasons
+        changed = False
+        if not st.draining and score < self.policy.drain_below:
+            st.draining, st.good_streak, changed = True, 0, True
+        elif st.draining:
+            st.good_streak = st.good_streak + 1 if score > self.policy.recover_above else 0
+            if st.good_streak >= self.policy.recover_samples:
+                st.draining, changed = False, True
+        return HealthVerdict(s.node, score, st.draining, changed, reasons)
+
+    def is_draining(self, node: str) -> bool:
+        st = self.nodes.get(node)
+        return bool(st and st.draining)

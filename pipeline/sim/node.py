@@ -1,0 +1,373 @@
+"""Engine model of one node (one engine instance) for the simulator: vLLM-like continuous batching.
+
+- Admission FCFS from the waiting queue while KV blocks (block_size tokens each) and `max_num_seqs` allow; a
+  request's prompt is allocated at admission; prompts are prefilled in chunks under a token budget per iteration
+  (`max_num_batched_tokens`, decode tokens count against it: chunked prefill).
+- Prefix cache: an LRU of prefix-block hashes; the cached part of a prompt is not prefilled (it still holds KV).
+- Decode: between composition changes the node runs a "stretch" of identical decode steps whose total time comes
+  from the cost model in closed form (`decode_span_ms`), so a request costs a few events, not one per token. A
+  stretch ends at the first finishing sequence or when KV memory would run out; an arrival shortens the stretch to
+  the step in progress, and new work joins at that step boundary, as in an iteration-level scheduler.
+- Out of KV memory: the most recently admitted sequence is preempted (recompute: its blocks are freed and it goes
+  back to the front of the queue with prompt + generated tokens to prefill again).
+Generated-token counts are kept implicitly (a global decode-step counter and per-sequence offsets) so advancing a
+stretch is O(1) whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class StepCost(Protocol):
+    def step_ms(
+        self, prefill_tokens: Sequence[int], decode_seqs: int, decode_kv_tokens: int,
+        prefill_cached: Sequence[int] | None = None,
+    ) -> float: ...
+
+    def decode_span_ms(self, n: int, kv0: int, steps: int) -> float: ...
+
+    def decode_steps_within(self, n: int, kv0: int, budget_ms: float) -> int: ...
+
+
+@dataclass(slots=True)
+class SimSeq:
+    rid: int
+    """Index of the request in the simulation's request table."""
+    prompt: int
+    """Tokens to prefill on this node (prompt, plus tokens generated elsewhere after a migration/preemption)."""
+    remaining: int
+    """Tokens still to generate."""
+    mem_est_kb: float
+    prefix: tuple[int, ...] = ()
+    cached: int = 0
+    prefilled: int = 0
+    finish_step: int = 0
+    """Value of the node's decode-step counter at which this sequence has generated all `remaining` tokens."""
+    started_step: int = 0
+    admitted_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class FinishedSeq:
+    rid: int
+    finish_ms: float
+
+
+@dataclass(slots=True)
+class StepResult:
+    first_tokens: list[tuple[int, float]] = field(default_factory=list)
+    finished: list[FinishedSeq] = field(default_factory=list)
+    freed: bool = False
+    """KV memory or a running slot was released (the batcher may have room now)."""
+
+
+class SimNode:
+    def __init__(
+        self,
+        name: str,
+        rack: str,
+        cost: StepCost,
+        *,
+        kv_capacity_tokens: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        mem_cap_kb: float,
+        vram_total_gb: float,
+        weights_gb: float,
+        kv_bytes_per_token: int,
+        prefix_block_tokens: int,
+        prefix_cache: bool = True,
+    ) -> None:
+        self.name = name
+        self.rack = rack
+        self.cost = cost
+        self.block_size = block_size
+        self.capacity_tokens = kv_capacity_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.mem_cap_kb = mem_cap_kb
+        self.vram_total_gb = vram_total_gb
+        self.weights_gb = weights_gb
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.prefix_block_tokens = prefix_block_tokens
+        self.prefix_enabled = prefix_cache
+        self.prefix_lru: OrderedDict[int, None] = OrderedDict()
+        self.prefix_capacity = max(1, kv_capacity_tokens // prefix_block_tokens)
+        self.waiting: deque[SimSeq] = deque()
+        self.prefilling: list[SimSeq] = []
+        self.decoding: dict[int, SimSeq] = {}
+        self._finish_heap: list[tuple[int, int]] = []
+        self.steps = 0
+        self.kv_tokens = 0
+        """KV tokens held by admitted sequences (prefilling ones count their whole prompt)."""
+        self.kv_decoding = 0
+        """KV tokens of the decoding sequences (what a decode step reads)."""
+        self.mem_est_used = 0.0
+        """Sum of mem_est_kb of every sequence on the node (the batcher's accounting)."""
+        self.alive = True
+        """False once the node died: it schedules nothing more."""
+        self.accepting = True
+        """False while drained (health below threshold) or dead: the batcher sends it nothing new."""
+        self.slow_factor = 1.0
+        self.epoch = 0
+        # the phase in progress: None, ("prefill", end_ms, chunks) or ("decode", t0, n, kv0, steps, end_ms)
+        self.phase: tuple[object, ...] | None = None
+        self.avg_step_ms = 0.0
+        self.busy_ms = 0.0
+        self.mem_integral = 0.0
+        """Integral over time of (weights + KV bytes) / total memory, for the mean memory utilisation."""
+        self._last_mem_t = 0.0
+        self.preemptions = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.iterations = 0
+
+    # -- views ---------------------------------------------------------------------------------------------------
+    @property
+    def outstanding(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def idle(self) -> bool:
+        return self.phase is None and not self.waiting and not self.prefilling and not self.decoding
+
+    def kv_bytes(self) -> float:
+        return float(self.kv_tokens) * self.kv_bytes_per_token
+
+    def free_vram_gb(self) -> float:
+        return max(0.0, self.vram_total_gb - self.weights_gb - self.kv_bytes() / 1e9)
+
+    def _mem_frac(self) -> float:
+        return min(1.0, (self.weights_gb + self.kv_bytes() / 1e9) / self.vram_total_gb)
+
+    def _account_mem(self, now: float) -> None:
+        if now > self._last_mem_t:
+            self.mem_integral += self._mem_frac() * (now - self._last_mem_t)
+            self._last_mem_t = now
+
+    # -- intake --------------------------------------------------------------------------------------------------
+    def submit(self, seq: SimSeq) -> None:
+        self.waiting.append(seq)
+        self.mem_est_used += seq.mem_est_kb
+
+    def drain_all(self, now: float) -> list[SimSeq]:
+        """Remove every sequence (the node died): returns them with `prompt`/`remaining` set for a re-prefill
+        elsewhere (prompt + tokens generated so far)."""
+        if self.phase is not None and self.phase[0] == "decode":
+            _, t0, n, kv0, steps, _end = self.phase
+            assert isinstance(t0, float) and isinstance(n, int) and isinstance(kv0, int) and isinstance(steps, int)
+            self.steps += min(steps, self.cost.decode_steps_within(n, kv0, (now - t0) / self.slow_factor))
+        self._account_mem(now)
+        out: list[SimSeq] = []
+        for s in list(self.waiting) + self.prefilling:
+            out.append(s)
+        for s in self.decoding.values():
+            done = self.steps - s.started_step
+            out.append(SimSeq(s.rid, s.prompt + done, s.remaining - done, s.mem_est_kb, s.prefix))
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.decoding.clear()
+        self._finish_heap.clear()
+        self.kv_tokens = self.kv_decoding = 0
+        self.mem_est_used = 0.0
+        self.phase = None
+        self.epoch += 1
+        self.alive = self.accepting = False
+        return [SimSeq(s.rid, s.prompt, s.remaining, s.mem_est_kb, s.prefix) for s in out]
+
+    # -- prefix cache --------------------------------------------------------------------------------------------
+    def _prefix_hit_tokens(self, seq: SimSeq) -> int:
+        if not self.prefix_enabled or not seq.prefix:
+            return 0
+        k = 0
+        for h in seq.prefix:
+            if h not in self.prefix_lru:
+                break
+            self.prefix_lru.move_to_end(h)
+            k += 1
+        return min(seq.prompt - 1, k * self.prefix_block_tokens) if k else 0
+
+    def _prefix_insert(self, seq: SimSeq) -> None:
+        if not self.prefix_enabled or not seq.prefix:
+            return
+        for h in reversed(seq.prefix):
+            self.prefix_lru[h] = None
+            self.prefix_lru.move_to_end(h)
+        while len(self.prefix_lru) > self.prefix_capacity:
+            self.prefix_lru.popitem(last=False)
+
+    # -- scheduling ----------------------------------------------------------------------------------------------
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _free_tokens(self) -> int:
+        # allocation is in blocks: every sequence wastes up to a block; count that against the capacity
+        return self.capacity_tokens - self.kv_tokens - self.block_size * (len(self.prefilling) + len(self.decoding))
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and self.running < self.max_num_seqs:
+            s = self.waiting[0]
+            # its prompt, its first token, and one more token for each decoding sequence in this iteration
+            need = self._blocks(s.prompt + 1) * self.block_size + len(self.decoding)
+            if need > self._free_tokens() and self.running:
+                return
+            self.waiting.popleft()
+            s.cached = self._prefix_hit_tokens(s)
+            s.prefilled = s.cached
+            s.admitted_ms = now
+            self.prompt_tokens += s.prompt
+            self.cached_tokens += s.cached
+            self.kv_tokens += s.prompt
+            self.prefilling.append(s)
+
+    def _preempt_one(self) -> bool:
+        """Recompute preemption of the most recently admitted decoding sequence."""
+        if not self.decoding:
+            return False
+        rid = max(self.decoding, key=lambda r: (self.decoding[r].admitted_ms, r))
+        s = self.decoding.pop(rid)
+        done = self.steps - s.started_step
+        tokens = s.prompt + done
+        self.kv_tokens -= tokens
+        self.kv_decoding -= tokens
+        self._finish_heap = [(f, r) for f, r in self._finish_heap if r != rid]
+        heapq.heapify(self._finish_heap)
+        self.waiting.appendleft(SimSeq(s.rid, tokens, s.remaining - done, s.mem_est_kb, s.prefix))
+        self.preemptions += 1
+        return True
+
+    def schedule(self, now: float) -> float | None:
+        """Start the next iteration or decode stretch if idle; returns when it ends (None: nothing to do)."""
+        if self.phase is not None or not self.alive:
+            return None
+        self._account_mem(now)
+        self._admit(now)
+        while self.prefilling and self.decoding and self._free_tokens() < len(self.decoding):
+            if not self._preempt_one():  # no room for this iteration's decode tokens
+                break
+        if self.prefilling:
+            budget = max(1, self.max_batched_tokens - len(self.decoding))
+            chunks: list[tuple[SimSeq, int]] = []
+            for s in self.prefilling:
+                if budget <= 0:
+                    break
+                c = min(s.prompt - s.prefilled, budget)
+                if c > 0:
+                    chunks.append((s, c))
+                    budget -= c
+            dt = self.cost.step_ms(
+                [c for _, c in chunks], len(self.decoding), self.kv_decoding, [s.prefilled for s, _ in chunks]
+            ) * self.slow_factor
+            end = now + dt
+            self.phase = ("prefill", end, chunks, now)
+            return end
+        if self.decoding:
+            n = len(self.decoding)
+            while True:
+                free = self._free_tokens()
+                steps_oom = free // n
+                if steps_oom >= 1 or n == 1 or not self._preempt_one():
+                    break
+                n = len(self.decoding)
+                if n == 0:
+                    return self.schedule(now)
+            r_min = self._finish_heap[0][0] - self.steps
+            steps = max(1, min(r_min, max(1, steps_oom)))
+            dt = self.cost.decode_span_ms(n, self.kv_decoding, steps) * self.slow_factor
+            end = now + dt
+            self.phase = ("decode", now, n, self.kv_decoding, steps, end)
+            return end
+        return None
+
+    def advance_to(self, now: float) -> bool:
+        """Shorten a decode stretch in progress so it ends with the step running at `now` (new work joins at that
+        step boundary). True when the end moved: the caller reschedules the node's end event (epoch changed)."""
+        if self.phase is None or self.phase[0] != "decode":
+            return False
+        _, t0, n, kv0, steps, _end = self.phase
+        assert isinstance(t0, float) and isinstance(n, int) and isinstance(kv0, int) and isinstance(steps, int)
+        done = self.cost.decode_steps_within(n, kv0, (now - t0) / self.slow_factor)
+        k = min(steps, done + 1)
+        if k >= steps:
+            return False
+        new_end = t0 + self.cost.decode_span_ms(n, kv0, k) * self.slow_factor
+        self.phase = ("decode", t0, n, kv0, k, new_end)
+        self.epoch += 1
+        return True
+
+    def phase_end(self) -> float | None:
+        if self.phase is None:
+            return None
+        return float(self.phase[1] if self.phase[0] == "prefill" else self.phase[5])  # type: ignore[arg-type]
+
+    def finish_phase(self, now: float) -> StepResult:
+        """Apply the iteration or stretch that ends at `now`."""
+        res = StepResult()
+        ph = self.phase
+        assert ph is not None
+        self.phase = None
+        self._account_mem(now)
+        if ph[0] == "prefill":
+            _, _end, chunks, t0 = ph
+            assert isinstance(chunks, list) and isinstance(t0, float)
+            self.iterations += 1
+            dt = now - t0
+            self.busy_ms += dt
+            self.avg_step_ms = 0.8 * self.avg_step_ms + 0.2 * dt if self.avg_step_ms else dt
+            if self.decoding:  # decoding sequences got one token in this iteration too
+                self.steps += 1
+                self.kv_tokens += len(self.decoding)
+                self.kv_decoding += len(self.decoding)
+            for s, c in chunks:
+                s.prefilled += c
+                if s.prefilled >= s.prompt:
+                    self.prefilling.remove(s)
+                    self._prefix_insert(s)
+                    res.first_tokens.append((s.rid, now))
+                    # the prefill produced the first token
+                    s.remaining -= 1
+                    s.started_step = self.steps
+                    self.kv_tokens += 1
+                    if s.remaining <= 0:
+                        self._release(s, res, now)
+                        continue
+                    s.prompt += 1
+                    s.finish_step = self.steps + s.remaining
+                    self.decoding[s.rid] = s
+                    self.kv_decoding += s.prompt
+                    heapq.heappush(self._finish_heap, (s.finish_step, s.rid))
+        else:
+            _, t0, n, _kv0, steps, _end = ph
+            assert isinstance(t0, float) and isinstance(n, int) and isinstance(steps, int)
+            self.iterations += steps
+            self.busy_ms += now - t0
+            per = (now - t0) / steps if steps else 0.0
+            self.avg_step_ms = 0.8 * self.avg_step_ms + 0.2 * per if self.avg_step_ms else per
+            self.steps += steps
+            self.kv_tokens += n * steps
+            self.kv_decoding += n * steps
+        while self._finish_heap and self._finish_heap[0][0] <= self.steps:
+            _, rid = heapq.heappop(self._finish_heap)
+            s = self.decoding.pop(rid)
+            tokens = s.prompt + (self.steps - s.started_step)
+            self.kv_tokens -= tokens
+            self.kv_decoding -= tokens
+            self._release(s, res, now, kv_done=True)
+        return res
+
+    def _release(self, s: SimSeq, res: StepResult, now: float, kv_done: bool = False) -> None:
+        if not kv_done:
+            self.kv_tokens -= s.prompt + 1
+        self.mem_est_used -= s.mem_est_kb
+        res.finished.append(FinishedSeq(s.rid, now))
+        res.freed = True

@@ -1,0 +1,67 @@
+"""Summary figures of a simulation run (the JSON `rackflow sim run` prints)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from pipeline.sim.simulator import SimResult, percentile
+
+
+def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
+    done = [i for i in range(len(res.arrival)) if res.finish[i] >= 0 and not res.dropped[i]]
+    e2e = [res.finish[i] - res.arrival[i] for i in done]
+    ttft = [res.first_token[i] - res.arrival[i] for i in done if res.first_token[i] >= 0]
+    small = [res.finish[i] - res.arrival[i] for i in done if res.in_tokens[i] + res.out_tokens[i] <= small_tokens]
+    per_node: dict[int, list[float]] = defaultdict(list)
+    for i in done:
+        per_node[res.node_of[i]].append(res.finish[i] - res.arrival[i])
+    node_p95 = [percentile(v, 95) for v in per_node.values() if v]
+    first = min(res.arrival) if res.arrival else 0.0
+    last = max((res.finish[i] for i in done), default=first)
+    span_s = max(1e-9, (last - first) / 1000.0)
+    out_tokens = sum(res.out_tokens[i] for i in done)
+    dropped = sum(1 for d in res.dropped if d)
+    return {
+        "requests": len(res.arrival),
+        "completed": len(done),
+        "dropped": dropped,
+        "drop_reasons": dict(sorted(res.drop_reasons.items())),
+        "p50_ms": round(percentile(e2e, 50), 1),
+        "p95_ms": round(percentile(e2e, 95), 1),
+        "p99_ms": round(percentile(e2e, 99), 1),
+        "ttft_p50_ms": round(percentile(ttft, 50), 1),
+        "ttft_p95_ms": round(percentile(ttft, 95), 1),
+        "ttft_p99_ms": round(percentile(ttft, 99), 1),
+        "small_p95_ms": round(percentile(small, 95), 1),
+        "small_requests": len(small),
+        "throughput_rps": round(len(done) / span_s, 3),
+        "output_tokens_per_s": round(out_tokens / span_s, 1),
+        "mean_gpu_mem_util": round(statistics.fmean(res.mem_util), 4) if res.mem_util else 0.0,
+        "mean_batch_mem_util": round(statistics.fmean(res.batch_mem_util), 4) if res.batch_mem_util else 0.0,
+        "mean_batch_size": round(statistics.fmean(res.batch_sizes), 2) if res.batch_sizes else 0.0,
+        "node_p95_std_ms": round(statistics.pstdev(node_p95), 1) if len(node_p95) > 1 else 0.0,
+        "node_busy_std_pct": round(statistics.pstdev(
+            [100 * b / max(1e-9, res.end_ms) for b in res.busy_ms]), 2) if len(res.busy_ms) > 1 else 0.0,
+        "preemptions": res.preemptions,
+        "migrations": res.migrations,
+        "prefix_hit_rate": round(res.cached_tokens / res.prompt_tokens, 4) if res.prompt_tokens else 0.0,
+        "simulated_s": round(res.end_ms / 1000.0, 1),
+        "events": res.events,
+        "nodes": len(res.node_names),
+    }
+
+
+def per_node_load(res: SimResult) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for i in range(len(res.arrival)):
+        if res.node_of[i] >= 0 and res.finish[i] >= 0:
+            counts[res.node_names[res.node_of[i]]] += 1
+    return dict(sorted(counts.items()))
+
+
+def latencies(res: SimResult) -> tuple[list[float], list[float]]:
+    done = [i for i in range(len(res.arrival)) if res.finish[i] >= 0 and not res.dropped[i]]
+    return ([res.finish[i] - res.arrival[i] for i in done],
+            [res.first_token[i] - res.arrival[i] for i in done if res.first_token[i] >= 0])

@@ -1,0 +1,459 @@
+"""The discrete-event simulator: a cluster of racks x nodes driven by the live pipeline's own policy objects.
+
+Events are ordered by (time, type precedence, sequence number); precedence, lowest first at equal times:
+  0 FAULT        a node dies, slows down, gets an Xid burst, or recovers (faults act before anything else)
+  1 NODE_END     an engine iteration / decode stretch ends (frees memory before new work is placed)
+  2 BATCH        a batch (or a migrated sequence) reaches its node
+  3 ARRIVAL      a request reaches the router (not on the heap: the trace is read in order)
+  4 WINDOW       a rack's batching window times out
+Per request: the router (RackAffinityRouter) picks the rack, the rack's WindowBatcher with its NodePolicySet packs
+windows into node budgets, the node's engine model (SimNode) runs continuous batching on the cost model, the
+HealthScorer judges fault samples, and plan_migrations moves live sequences off a failed node. These are the very
+classes the live router, batcher and monitor use.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from pipeline.batching.fixed import FixedBatcher
+from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
+from pipeline.config import NodeSpec, RackflowConfig
+from pipeline.events import RequestEvent
+from pipeline.failover import LiveSequence, plan_migrations
+from pipeline.health import HealthSample, HealthScorer
+from pipeline.profiling import estimate_mem_kb
+from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache
+from pipeline.routing.registry import NodePolicySet
+from pipeline.routing.views import NodeView, RackView
+from pipeline.sim.node import SimNode, SimSeq, StepCost
+from pipeline.sim.traces import TraceRequest
+
+FAULT, NODE_END, BATCH, ARRIVAL, WINDOW = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    at_ms: float
+    node: str
+    kind: str
+    """`death` (the node is gone for good), `xid` (an Xid burst: health drops, the node is drained, its sequences
+    migrate, it recovers after `duration_ms`), `slow` (iterations take `factor` x longer for `duration_ms`)."""
+    duration_ms: float = 0.0
+    factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimParams:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    """Share of GPU memory the engine may use for weights + KV cache (vLLM's gpu_memory_utilization)."""
+    dispatch_latency_ms: float = 1.0
+    """Batcher -> node (stream hop)."""
+    migration_latency_ms: float = 5.0
+    """Control-plane latency of a migration (monitor -> Celery task -> target), before the re-prefill."""
+    check_invariants: bool = False
+    """Assert after every engine event that no node holds more KV than it has (tests)."""
+    batching: str = "window"
+    """`window` (memory-budget sliding window) or `fixed` (fixed batch of `fixed_batch` requests)."""
+    fixed_batch: int = 32
+    prefix_cache: bool = True
+
+
+@dataclass
+class _Rack:
+    name: str
+    nodes: list[int]
+    batcher: WindowBatcher | FixedBatcher
+    policies: NodePolicySet
+    timer_at: float | None = None
+    outstanding: int = 0
+
+
+@dataclass
+class SimResult:
+    arrival: list[float]
+    first_token: list[float]
+    finish: list[float]
+    node_of: list[int]
+    in_tokens: list[int]
+    out_tokens: list[int]
+    dropped: list[bool]
+    node_names: list[str]
+    node_gpus: list[str]
+    mem_util: list[float]
+    """Per node: time-averaged (weights + KV) / memory over the run."""
+    busy_ms: list[float]
+    preemptions: int
+    prompt_tokens: int
+    cached_tokens: int
+    migrations: int
+    batch_mem_util: list[float]
+    batch_sizes: list[int]
+    end_ms: float
+    events: int
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Simulator:
+    def __init__(
+        self,
+        config: RackflowConfig,
+        requests: Sequence[TraceRequest],
+        cost_for: Callable[[NodeSpec], StepCost],
+        *,
+        params: SimParams = SimParams(),
+        faults: Sequence[Fault] = (),
+        default_model: str | None = None,
+        progress: Callable[[float, int, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.params = params
+        self.progress = progress
+        pol = config.policies
+        self.reqs = list(requests)
+        served = [m for m in config.models if config.racks_serving(m)]
+        if not served:
+            raise ValueError("no rack serves any model")
+        self.default_model = default_model or served[0]
+        self._serving = {m: config.racks_serving(m) for m in config.models}
+        self.router = RackAffinityRouter(
+            {m: config.racks_serving(m) for m in served}, pol.router.virtual_nodes, pol.router.load_bound,
+            pol.router.load_slack,
+        )
+        self.nodes: list[SimNode] = []
+        self.node_index: dict[str, int] = {}
+        self.node_models: dict[str, frozenset[str]] = {}
+        self.racks: dict[str, _Rack] = {}
+        for rack in config.cluster.racks:
+            idx = []
+            specs = rack.expanded()
+            for spec in specs:
+                self.node_index[spec.name] = len(self.nodes)
+                idx.append(len(self.nodes))
+                self.nodes.append(self._make_node(spec, rack.name, cost_for(spec)))
+                self.node_models[spec.name] = frozenset(spec.models)
+            policies = NodePolicySet(pol.node_selection, pol.seed, rack.name, {n.name: n.gpu for n in specs},
+                                     pol.profiling.prefix_block_tokens)
+            caps = {n.name: config.node_mem_budget_kb(n.name) for n in specs}
+            models = {n.name: frozenset(n.models) for n in specs}
+            batcher: WindowBatcher | FixedBatcher
+            if params.batching == "fixed":
+                batcher = FixedBatcher(pol.batcher, policies, caps, models, params.fixed_batch)
+            else:
+                batcher = WindowBatcher(pol.batcher, policies, caps, models)
+            self.racks[rack.name] = _Rack(rack.name, idx, batcher, policies)
+        self.rack_views = {r: RackView(r, True, 0.0) for r in self.racks}
+        self.scorer = HealthScorer(pol.health)
+        for name in self.node_index:  # the agents' first (clean) samples: later counters are compared to them
+            self.scorer.observe(HealthSample(name, 0.0))
+        self.faults = sorted(faults, key=lambda f: (f.at_ms, f.node, f.kind))
+        self.heap: list[tuple[float, int, int, int, object]] = []
+        self.seq = 0
+        n = len(self.reqs)
+        self.first_token = [-1.0] * n
+        self.finish = [-1.0] * n
+        self.node_of = [-1] * n
+        self.dropped = [False] * n
+        self.drop_reasons: dict[str, int] = {}
+        self.mem_est = [0.0] * n
+        self.migrations = 0
+        self.requeued: dict[int, tuple[int, int]] = {}
+        """rid -> (tokens to prefill, tokens left) of a migrated sequence sent back through a batcher."""
+        self.batch_mem_util: list[float] = []
+        self.batch_sizes: list[int] = []
+        self.events = 0
+        self.completed = 0
+
+    def _make_node(self, spec: NodeSpec, rack: str, cost: StepCost) -> SimNode:
+        gpu = self.config.gpus[spec.gpu]
+        model = self.config.models[spec.models[0]]
+        total_gb = gpu.memory_gb * spec.tp
+        weights_gb = model.weight_bytes / 1e9
+        usable = total_gb * self.params.gpu_memory_utilization - weights_gb
+        if usable <= 0:
+            raise ValueError(f"node {spec.name}: {spec.models[0]} does not fit {spec.gpu} x{spec.tp}")
+        kv_tokens = int(usable * 1e9 // model.kv_bytes_per_token)
+        return SimNode(
+            spec.name, rack, cost, kv_capacity_tokens=kv_tokens, block_size=self.params.block_size,
+            max_num_seqs=self.params.max_num_seqs, max_batched_tokens=self.params.max_batched_tokens,
+            mem_cap_kb=self.config.node_mem_budget_kb(spec.name), vram_total_gb=total_gb, weights_gb=weights_gb,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            prefix_block_tokens=self.config.policies.profiling.prefix_block_tokens,
+            prefix_cache=self.params.prefix_cache,
+        )
+
+    # -- event plumbing --------------------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, kind, payload))
+
+    def _schedule_node(self, i: int, now: float) -> None:
+        node = self.nodes[i]
+        end = node.schedule(now)
+        if self.params.check_invariants:
+            self._check(node)
+        if end is not None:
+            self._push(end, NODE_END, (i, node.epoch))
+
+    # -- views -----------------------------------------------------------------------------------------------------
+    def _node_view(self, i: int) -> NodeView:
+        n = self.nodes[i]
+        return NodeView(
+            n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
+            max(0.0, n.mem_cap_kb - n.mem_est_used), n.running, len(n.waiting),
+        )
+
+    def _rack_load(self, rack: _Rack, delta: int) -> None:
+        rack.outstanding += delta
+        healthy = any(self.nodes[i].accepting for i in rack.nodes)
+        self.rack_views[rack.name] = RackView(rack.name, healthy, float(rack.outstanding))
+
+    # -- requests --------------------------------------------------------------------------------------------------
+    def _arrive(self, rid: int, now: float) -> None:
+        tr = self.reqs[rid]
+        model_name = tr.model or self.default_model
+        model = self.config.models.get(model_name)
+        if model is None or not self._serving.get(model_name):
+            self._drop(rid, "model not served")
+            return
+        mem = estimate_mem_kb(model, tr.in_tokens, tr.out_tokens, self.config.policies.profiling.estimator)
+        self.mem_est[rid] = mem
+        d = self.router.route(tr.user_id or f"anon-{rid}", model_name, self.rack_views)
+        if d.rack is None:
+            self._drop(rid, "no healthy rack")
+            return
+        rule = self.config.policies.router.prefix_cache_rule
+        keep = keeps_prefix_cache(rule.enabled, rule.min_tokens, tr.in_tokens, d, True)
+        req = RequestEvent(
+            str(rid), 1, "sim", tr.user_id, model_name, tr.in_tokens, tr.out_tokens, tr.out_tokens, mem, tr.arrival_ms,
+            prefix_cache=keep, rack=d.rack, prefix_hashes=tr.prefix_hashes,
+        )
+        rack = self.racks[d.rack]
+        self._rack_load(rack, +1)
+        rack.batcher.offer(PendingRequest(req, str(rid), now))
+        self._try_close(rack, now)
+
+    def _drop(self, rid: int, reason: str) -> None:
+        self.dropped[rid] = True
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+    def _try_close(self, rack: _Rack, now: float) -> None:
+        b = rack.batcher
+        if not b.pending:
+            return
+        views = [self._node_view(i) for i in rack.nodes]
+        reason = b.close_reason(now, views)
+        if reason == CloseReason.NOT_YET:
+            assert b.window_open_ms is not None
+            due = b.window_open_ms + self.config.policies.batcher.window_ms
+            if rack.timer_at is None or rack.timer_at > due:
+                rack.timer_at = due
+                self._push(due, WINDOW, rack.name)
+            return
+        if reason == CloseReason.EMPTY:
+            return
+        out = b.close(now, views)
+        for rej in out.rejections:
+            rid = int(rej.pending.entry_id)
+            self._drop(rid, "larger than any node budget")
+            self._rack_load(rack, -1)
+        for plan in out.plans:
+            self.batch_mem_util.append(plan.utilisation)
+            self.batch_sizes.append(len(plan.requests))
+            i = self.node_index[plan.node]
+            seqs = []
+            for p in plan.requests:
+                rid = int(p.entry_id)
+                tr = self.reqs[rid]
+                prefix = tr.prefix_hashes if p.request.prefix_cache else ()
+                prompt, remaining = self.requeued.pop(rid, (tr.in_tokens, tr.out_tokens))
+                seqs.append(SimSeq(rid, prompt, remaining, self.mem_est[rid], prefix))
+            self._push(now + self.params.dispatch_latency_ms, BATCH, (i, seqs))
+        if b.pending and b.window_open_ms is not None:
+            due = b.window_open_ms + self.config.policies.batcher.window_ms
+            if rack.timer_at is None or rack.timer_at > due or rack.timer_at <= now:
+                rack.timer_at = due
+                self._push(due, WINDOW, rack.name)
+
+    def _batch_arrives(self, i: int, seqs: list[SimSeq], now: float) -> None:
+        node = self.nodes[i]
+        if not node.alive:  # it died while the batch was in flight: fail over like its other sequences
+            self._migrate(i, seqs, now)
+            return
+        for s in seqs:
+            self.node_of[s.rid] = i
+            node.submit(s)
+        if node.phase is None:
+            self._schedule_node(i, now)
+        elif node.advance_to(now):
+            end = node.phase_end()
+            assert end is not None
+            self._push(end, NODE_END, (i, node.epoch))
+
+    def _node_end(self, i: int, epoch: int, now: float) -> None:
+        node = self.nodes[i]
+        if epoch != node.epoch or node.phase is None:
+            return  # stale: the stretch was shortened or the node died
+        res = node.finish_phase(now)
+        if self.params.check_invariants:
+            self._check(node)
+        for rid, t in res.first_tokens:
+            if self.first_token[rid] < 0:
+                self.first_token[rid] = t
+        rack = self.racks[node.rack]
+        for f in res.finished:
+            self.finish[f.rid] = f.finish_ms
+            self.completed += 1
+            self._rack_load(rack, -1)
+        self._schedule_node(i, now)
+        if res.freed and rack.batcher.pending:
+            self._try_close(rack, now)
+
+    def _check(self, node: SimNode) -> None:
+        if node.kv_tokens > node.capacity_tokens:
+            raise AssertionError(f"{node.name}: {node.kv_tokens} KV tokens > capacity {node.capacity_tokens}")
+        if node.kv_tokens < 0 or node.kv_decoding < 0 or node.mem_est_used < -1e-6:
+            raise AssertionError(f"{node.name}: negative accounting kv={node.kv_tokens} dec={node.kv_decoding} "
+                                 f"mem_est={node.mem_est_used}")
+        if node.running > node.max_num_seqs:
+            raise AssertionError(f"{node.name}: {node.running} running > max_num_seqs {node.max_num_seqs}")
+
+    # -- faults ----------------------------------------------------------------------------------------------------
+    def _migrate(self, src: int, seqs: list[SimSeq], now: float) -> None:
+        node = self.nodes[src]
+        rack = self.racks[node.rack]
+        same = [self._node_view(i) for i in rack.nodes if i != src]
+        others = [self._node_view(i) for r in self.racks.values() if r is not rack for i in r.nodes]
+        live = [LiveSequence(str(s.rid), 1, self.reqs[s.rid].model or self.default_model, s.mem_est_kb)
+                for s in seqs]
+        by_id = {str(s.rid): s for s in seqs}
+        for m in plan_migrations(node.name, live, same, others, self.node_models):
+            s = by_id[m.seq_id]
+            self.migrations += 1
+            if m.dst is None:  # nowhere to go now: back through the rack's batcher
+                tr = self.reqs[s.rid]
+                self.requeued[s.rid] = (s.prompt, s.remaining)
+                req = RequestEvent(m.seq_id, 2, "sim", tr.user_id, tr.model or self.default_model, s.prompt,
+                                   s.remaining, s.remaining, s.mem_est_kb, tr.arrival_ms, rack=node.rack)
+                rack.batcher.offer(PendingRequest(req, m.seq_id, now))
+                self._try_close(rack, now)
+                continue
+            dst = self.node_index[m.dst]
+            if self.nodes[dst].rack != node.rack:
+                self._rack_load(rack, -1)
+                self._rack_load(self.racks[self.nodes[dst].rack], +1)
+            self._push(now + self.params.migration_latency_ms, BATCH, (dst, [s]))
+
+    def _fault(self, f: Fault, now: float) -> None:
+        i = self.node_index.get(f.node)
+        if i is None:
+            raise ValueError(f"fault for unknown node {f.node!r}")
+        node = self.nodes[i]
+        if f.kind == "death":
+            self.scorer.observe(HealthSample(f.node, now, heartbeat_ok=False))
+            seqs = node.drain_all(now)
+            self._rack_load(self.racks[node.rack], 0)
+            self._migrate(i, seqs, now)
+        elif f.kind == "xid":
+            last = self.scorer.nodes.get(f.node)
+            xid = (last.last.xid_errors if last and last.last else 0) + 1
+            verdict = self.scorer.observe(HealthSample(f.node, now, xid_errors=xid))
+            if verdict.draining and node.alive:
+                seqs = node.drain_all(now)
+                self._rack_load(self.racks[node.rack], 0)
+                self._migrate(i, seqs, now)
+            # after the burst the agent reports clean samples; the node returns once hysteresis allows
+            interval = self.config.policies.health.interval_ms
+            back = now + f.duration_ms + interval * self.config.policies.health.recover_samples
+            self._push(back, FAULT, Fault(back, f.node, "recover"))
+        elif f.kind == "recover":
+            st = self.scorer.nodes.get(f.node)
+            xid = st.last.xid_errors if st and st.last else 0
+            interval = self.config.policies.health.interval_ms
+            verdict = None
+            for k in range(self.config.policies.health.recover_samples):
+                verdict = self.scorer.observe(HealthSample(f.node, now - interval * k, xid_errors=xid))
+            if verdict is not None and not verdict.draining:
+                node.alive = node.accepting = True
+                self._rack_load(self.racks[node.rack], 0)
+        elif f.kind == "slow":
+            node.slow_factor = max(1.0, f.factor)
+            self._push(now + f.duration_ms, FAULT, Fault(now + f.duration_ms, f.node, "slow-end"))
+        elif f.kind == "slow-end":
+            node.slow_factor = 1.0
+        else:
+            raise ValueError(f"unknown fault kind {f.kind!r}; allowed: death, xid, slow")
+
+    # -- main loop -------------------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        for f in self.faults:
+            self._push(f.at_ms, FAULT, f)
+        n = len(self.reqs)
+        nxt = 0
+        now = 0.0
+        report_every = max(1, n // 200)
+        heap = self.heap
+        while nxt < n or heap:
+            if nxt < n and (not heap or self.reqs[nxt].arrival_ms < heap[0][0]
+                            or (self.reqs[nxt].arrival_ms == heap[0][0] and heap[0][1] > ARRIVAL)):
+                now = self.reqs[nxt].arrival_ms
+                self._arrive(nxt, now)
+                nxt += 1
+                self.events += 1
+                if self.progress is not None and nxt % report_every == 0:
+                    self.progress(now, nxt, self.completed)
+                continue
+            t, kind, _s, _k, payload = heapq.heappop(heap)
+            now = t
+            self.events += 1
+            if kind == NODE_END:
+                ni, epoch = cast(tuple[int, int], payload)
+                self._node_end(ni, epoch, now)
+            elif kind == BATCH:
+                bi, seqs = cast(tuple[int, list[SimSeq]], payload)
+                self._batch_arrives(bi, seqs, now)
+            elif kind == WINDOW:
+                rack = self.racks[cast(str, payload)]
+                if rack.timer_at is not None and rack.timer_at <= now:
+                    rack.timer_at = None
+                self._try_close(rack, now)
+            elif kind == FAULT:
+                assert isinstance(payload, Fault)
+                self._fault(payload, now)
+        for node in self.nodes:
+            node._account_mem(now)
+        if self.progress is not None:
+            self.progress(now, n, self.completed)
+        for rid in range(n):
+            if self.finish[rid] < 0 and not self.dropped[rid]:
+                self._drop(rid, "never finished")
+        span = max(now, 1e-9)
+        return SimResult(
+            arrival=[r.arrival_ms for r in self.reqs], first_token=self.first_token, finish=self.finish,
+            node_of=self.node_of, in_tokens=[r.in_tokens for r in self.reqs],
+            out_tokens=[r.out_tokens for r in self.reqs], dropped=self.dropped,
+            node_names=[x.name for x in self.nodes],
+            node_gpus=[self.config.node(x.name).gpu for x in self.nodes],
+            mem_util=[x.mem_integral / span for x in self.nodes], busy_ms=[x.busy_ms for x in self.nodes],
+            preemptions=sum(x.preemptions for x in self.nodes), prompt_tokens=sum(x.prompt_tokens for x in self.nodes),
+            cached_tokens=sum(x.cached_tokens for x in self.nodes), migrations=self.migrations,
+            batch_mem_util=self.batch_mem_util, batch_sizes=self.batch_sizes, end_ms=now, events=self.events,
+            drop_reasons=self.drop_reasons,
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method)."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

@@ -1,0 +1,188 @@
+"""Request traces for the simulator: Azure LLM inference CSV, Mooncake JSONL, and synthetic arrivals.
+
+Parsers take lines (the caller opens the file) and yield TraceRequest in arrival order. `scale_rate` compresses
+time (x2 = twice the request rate); `assign_users` gives requests user ids drawn from a Zipf law (a few heavy users,
+a long tail), because rack affinity only matters when users come back.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_ms: float
+    """Milliseconds since the trace's first request."""
+    in_tokens: int
+    out_tokens: int
+    user_id: str = ""
+    prefix_hashes: tuple[int, ...] = ()
+    """Ids of the prompt's prefix blocks (Mooncake: 512-token blocks; equal ids share KV)."""
+    model: str = ""
+
+
+class TraceError(ValueError):
+    """A trace line cannot be parsed; the message names the line and the field."""
+
+
+def _days_from_civil(y: int, m: int, d: int) -> int:
+    """Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm): no datetime, no clock."""
+    y -= m <= 2
+    era = (y if y >= 0 else y - 399) // 400
+    yoe = y - era * 400
+    doy = (153 * (m + (-3 if m > 2 else 9)) + 2) // 5 + d - 1
+    doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+    return era * 146097 + doe - 719468
+
+
+def _azure_ts_ms(ts: str) -> float:
+    """`YYYY-MM-DD HH:MM:SS[.fffffff]` (UTC) -> ms since the epoch."""
+    date, _, clock = ts.strip().partition(" ")
+    y, mo, d = (int(x) for x in date.split("-"))
+    hms, _, frac = clock.partition(".")
+    h, mi, sec = (int(x) for x in hms.split(":"))
+    seconds = _days_from_civil(y, mo, d) * 86400 + h * 3600 + mi * 60 + sec
+    return seconds * 1000.0 + (float("0." + frac) * 1000.0 if frac else 0.0)
+
+
+def parse_azure(lines: Iterable[str], limit: int | None = None) -> Iterator[TraceRequest]:
+    """Azure LLM inference trace (Splitwise, 2023): TIMESTAMP, ContextTokens, GeneratedTokens."""
+    reader = csv.DictReader(lines)
+    need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+    if not reader.fieldnames or not need <= set(reader.fieldnames):
+        raise TraceError(f"expected Azure trace columns {sorted(need)}, got {reader.fieldnames}")
+    t0: float | None = None
+    for i, rec in enumerate(reader):
+        if limit is not None and i >= limit:
+            return
+        try:
+            t = _azure_ts_ms(rec["TIMESTAMP"])
+            tin, tout = int(rec["ContextTokens"]), int(rec["GeneratedTokens"])
+        except (TypeError, ValueError) as e:
+            raise TraceError(f"line {i + 2}: {e}") from None
+        if t0 is None:
+            t0 = t
+        yield TraceRequest(t - t0, max(1, tin), max(1, tout))
+
+
+def parse_mooncake(lines: Iterable[str], limit: int | None = None) -> Iterator[TraceRequest]:
+    """Mooncake trace JSONL: {"timestamp": ms, "input_length", "output_length", "hash_ids": [...]}."""
+    t0: float | None = None
+    n = 0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        if limit is not None and n >= limit:
+            return
+        try:
+            rec = json.loads(line)
+            t = float(rec["timestamp"])
+            tin, tout = int(rec["input_length"]), int(rec["output_length"])
+            hashes = tuple(int(h) & ((1 << 63) - 1) for h in rec.get("hash_ids", ()))
+        except (KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"line {i + 1}: {type(e).__name__}: {e}") from None
+        if t0 is None:
+            t0 = t
+        n += 1
+        yield TraceRequest(t - t0, max(1, tin), max(1, tout), prefix_hashes=hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticSpec:
+    requests: int = 10_000
+    rate_rps: float = 5.5
+    arrival: str = "poisson"
+    """`poisson` (exponential gaps) or `gamma` (bursty: gaps with coefficient of variation `cv`)."""
+    cv: float = 3.0
+    in_mean: float = 1155.0
+    """Mean prompt tokens (lognormal; defaults are the Azure conv trace's)."""
+    in_sigma: float = 0.8
+    out_mean: float = 211.0
+    out_sigma: float = 0.8
+    max_tokens: int = 32_000
+    shared_prefix_users: float = 0.0
+    """Fraction of requests that start with their user's system prompt (shared prefix blocks)."""
+    prefix_blocks: int = 4
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
+    mu = math.log(mean) - sigma * sigma / 2
+    return rng.lognormvariate(mu, sigma)
+
+
+def synthetic(spec: SyntheticSpec, rng: random.Random) -> Iterator[TraceRequest]:
+    t = 0.0
+    mean_gap = 1000.0 / spec.rate_rps
+    for _ in range(spec.requests):
+        if spec.arrival == "poisson":
+            t += rng.expovariate(1.0 / mean_gap)
+        elif spec.arrival == "gamma":
+            shape = 1.0 / (spec.cv * spec.cv)
+            t += rng.gammavariate(shape, mean_gap / shape)
+        else:
+            raise ValueError(f"unknown arrival process {spec.arrival!r}; allowed: poisson, gamma")
+        tin = min(spec.max_tokens, max(1, round(_lognormal(rng, spec.in_mean, spec.in_sigma))))
+        tout = min(spec.max_tokens, max(1, round(_lognormal(rng, spec.out_mean, spec.out_sigma))))
+        yield TraceRequest(t, tin, tout)
+
+
+def scale_rate(reqs: Iterable[TraceRequest], factor: float) -> Iterator[TraceRequest]:
+    """Multiply the request rate by `factor` (arrival times divided by it)."""
+    if factor <= 0:
+        raise ValueError(f"rate scale must be > 0, got {factor}")
+    for r in reqs:
+        yield replace(r, arrival_ms=r.arrival_ms / factor)
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    return [1.0 / (k**s) for k in range(1, n + 1)]
+
+
+def assign_users(
+    reqs: Sequence[TraceRequest], users: int, s: float, rng: random.Random, shared_prefix_blocks: int = 0
+) -> list[TraceRequest]:
+    """Give requests without a user a Zipf-distributed user id; with `shared_prefix_blocks`, requests of one user
+    start with that user's prefix blocks (a system prompt), so prefix reuse follows users."""
+    cum: list[float] = []
+    acc = 0.0
+    for w in zipf_weights(users, s):
+        acc += w
+        cum.append(acc)
+    out = []
+    for r in reqs:
+        if r.user_id:
+            out.append(r)
+            continue
+        k = rng.choices(range(users), cum_weights=cum)[0]
+        uid = f"user-{k:05d}"
+        hashes = r.prefix_hashes
+        if shared_prefix_blocks and not hashes:
+            n = min(shared_prefix_blocks, r.in_tokens // 512)
+            hashes = tuple(((k + 1) << 20) + j for j in range(n))
+        out.append(replace(r, user_id=uid, prefix_hashes=hashes))
+    return out
+
+
+def superpose(reqs: Sequence[TraceRequest], copies: int, rng: random.Random) -> list[TraceRequest]:
+    """`copies` independent replicas of a trace over the same time span (each shifted by a random fraction of the
+    mean gap and given its own users): k times the load with the trace's own arrival pattern and lengths."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    if not reqs:
+        return []
+    span = max(r.arrival_ms for r in reqs)
+    gap = span / max(1, len(reqs))
+    out: list[TraceRequest] = []
+    for k in range(copies):
+        shift = rng.uniform(0, gap) if k else 0.0
+        for r in reqs:
+            user = f"{r.user_id}#{k}" if r.user_id and k else r.user_id
+            out.append(replace(r, arrival_ms=r.arrival_ms + shift, user_id=user))
+    out.sort(key=lambda r: r.arrival_ms)
+    return out
