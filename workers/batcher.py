@@ -165,5 +165,5 @@ class Batcher:
         await self.registry.close(revoke=False)
         await self.r.aclose()
         log.info("batcher %s stopped (%d batches, %d requests, %d left pending)", self.rack, self.batches,
-                 self.dispatched, len(self.window.pending))
+                 self.dispatched, self.window.pending_count)
         return 0

@@ -324,7 +324,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
     except ValueError as e:  # DoesNotFit, CalibrationError, a bad --tp/--batch/--prompt-tokens
         print(f"rackflow perf: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(numbers, indent=2) if args.json else perf.format_perf(numbers))
+    print(json.dumps(numbers) if args.json else perf.format_perf(numbers))
     return 0
 
 

@@ -9,7 +9,6 @@ The trace has no user ids: users are drawn from a seeded Zipf distribution so ra
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import logging
 import math
@@ -20,7 +19,6 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from tqdm import tqdm
 from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, ResultEvent
 from pipeline.profiling import ProfileInput
+from pipeline.sim.traces import TraceRequest, parse_azure
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import connect
@@ -42,33 +41,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO_ROOT / "data" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
 
 
-@dataclass(frozen=True)
-class TraceRow:
-    offset_ms: float
-    in_tokens: int
-    out_tokens: int
-
-
-def read_azure_trace(path: Path, limit: int | None = None) -> list[TraceRow]:
-    """Azure LLM inference trace CSV: TIMESTAMP, ContextTokens, GeneratedTokens."""
-    rows: list[TraceRow] = []
-    t0: float | None = None
+def read_azure_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """The Azure trace's first `limit` requests (arrival offsets from the first one)."""
     with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-        if not reader.fieldnames or not need <= set(reader.fieldnames):
-            raise ValueError(f"{path}: expected Azure trace columns {sorted(need)}, got {reader.fieldnames}")
-        for i, rec in enumerate(reader):
-            if limit is not None and i >= limit:
-                break
-            ts = rec["TIMESTAMP"]
-            # 7 fractional digits: Python parses at most 6
-            base, _, frac = ts.partition(".")
-            t = datetime.fromisoformat(base).timestamp() * 1000.0 + (float("0." + frac) * 1000.0 if frac else 0.0)
-            if t0 is None:
-                t0 = t
-            rows.append(TraceRow(t - t0, max(1, int(rec["ContextTokens"])), max(1, int(rec["GeneratedTokens"]))))
-    return rows
+        return list(parse_azure(fh, limit))
 
 
 def zipf_users(n_users: int, s: float, rng: random.Random, count: int) -> list[str]:
@@ -156,7 +132,7 @@ class DemoRun:
         while i < len(rows):
             now = (time.monotonic() - t0) * 1000.0
             due = []
-            while i < len(rows) and rows[i].offset_ms / self.speedup <= now:
+            while i < len(rows) and rows[i].arrival_ms / self.speedup <= now:
                 row = rows[i]
                 due.append(ProfileInput(
                     request_id=str(uuid.uuid4()), tenant="demo", user_id=users[i], model=self.model,
@@ -169,7 +145,7 @@ class DemoRun:
                     self.submitted[q.request_id] = q.arrival_ms
                 bar.set_postfix(submitted=len(self.submitted), refresh=False)
             if i < len(rows):
-                await asyncio.sleep(max(0.0, min(0.05, rows[i].offset_ms / self.speedup / 1000.0 - (
+                await asyncio.sleep(max(0.0, min(0.05, rows[i].arrival_ms / self.speedup / 1000.0 - (
                     time.monotonic() - t0))))
         submit_s = time.monotonic() - t0
         done_submitting.set()

@@ -25,6 +25,7 @@ from pipeline.sim.traces import (
     parse_azure,
     parse_mooncake,
     scale_rate,
+    superpose,
     synthetic,
 )
 
@@ -119,10 +120,15 @@ def run_once(config: RackflowConfig, reqs: list[TraceRequest], params: SimParams
 
 
 def prepare_requests(args: argparse.Namespace, seed: int) -> list[TraceRequest]:
-    reqs = load_trace(args.trace, args.format, args.requests, seed)
+    reqs = load_trace(args.trace, args.format, None if args.superpose > 1 else args.requests, seed)
     if args.rate_scale not in (None, 1.0):
         reqs = list(scale_rate(reqs, args.rate_scale))
-    return assign_users(reqs, args.users, args.zipf, random.Random(seed + 1), args.shared_prefix_blocks)
+    reqs = assign_users(reqs, args.users, args.zipf, random.Random(seed + 1), args.shared_prefix_blocks)
+    if args.superpose > 1:
+        reqs = superpose(reqs, args.superpose, random.Random(seed + 2))
+        if args.requests:
+            reqs = reqs[: args.requests]
+    return reqs
 
 
 def _common(args: argparse.Namespace, policy: str | None) -> tuple[RackflowConfig, SimParams]:
@@ -185,8 +191,9 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
         print(f"{k:<22} {v}")
 
 
-TABLE_KEYS = ("completed", "dropped", "p50_ms", "p95_ms", "p99_ms", "ttft_p99_ms", "throughput_rps",
-              "node_p95_std_ms", "mean_gpu_mem_util", "preemptions", "prefix_hit_rate", "sim_wall_s")
+TABLE_KEYS = ("completed", "dropped", "p50_ms", "p95_ms", "p99_ms", "ttft_p99_ms", "small_ttft_p95_ms",
+              "throughput_rps", "node_p95_std_ms", "mean_gpu_mem_util", "mean_kv_util", "mean_concurrency",
+              "preemptions", "migrations", "prefix_hit_rate", "sim_wall_s")
 
 
 def format_table(rows: dict[str, dict[str, Any]], keys: Sequence[str] = TABLE_KEYS) -> str:
@@ -249,6 +256,8 @@ def add_parser(sub: Any) -> None:
                                                                   "experiments pick their own)")
     s.add_argument("--sizes", default=None, help="scale-pareto: GPU counts, e.g. 64,128,256,512,1024")
     s.add_argument("--requests", type=int, default=None, help="use the first N requests")
+    s.add_argument("--superpose", type=int, default=1, help="K independent copies of the trace over the same hour "
+                                                            "(K x the load; 11 x Azure conv = the seed's 5 M/day)")
     s.add_argument("--users", type=int, default=2000, help="users drawn (Zipf) for requests without one")
     s.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of user popularity")
     s.add_argument("--shared-prefix-blocks", type=int, default=0,

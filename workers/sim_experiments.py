@@ -64,10 +64,10 @@ def roundrobin_vs_weighted(args: argparse.Namespace, out: Path) -> dict[str, Any
     seed = args.seed
     cluster = _cluster(1, 8)
     scenarios = {
-        "moderate": (_azure(args.requests or 6000, args.rate_scale or 12.0, seed), []),
-        "moderate+slow-node": (_azure(args.requests or 6000, args.rate_scale or 12.0, seed),
+        "moderate": (_azure(args.requests or 6000, args.rate_scale or 8.0, seed), []),
+        "moderate+slow-node": (_azure(args.requests or 6000, args.rate_scale or 8.0, seed),
                                [Fault(0.0, "r0-n3", "slow", 1e12, 1.5)]),
-        "overload": (_azure(args.requests or 6000, (args.rate_scale or 12.0) * 3, seed), []),
+        "overload": (_azure(args.requests or 6000, (args.rate_scale or 8.0) * 4, seed), []),
     }
     table: dict[str, dict[str, Any]] = {}
     results: dict[str, SimResult] = {}
@@ -96,11 +96,15 @@ def roundrobin_vs_weighted(args: argparse.Namespace, out: Path) -> dict[str, Any
 
 
 def window_batching(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    # 8 H100 nodes serving Qwen2-7B (TP1): the seed formula's memory estimate (0.5 GB for a typical request) makes
+    # the 72 GB budget the binding limit, the regime the seed's batching claim is about
     seed = args.seed
-    cluster = _cluster(1, 8)
-    reqs = _azure(args.requests or 6000, args.rate_scale or 12.0, seed)
+    cluster = _cluster(1, 8, tp=1, model="qwen2-7b")
+    reqs = _azure(args.requests or 8000, args.rate_scale or 16.0, seed)
+    # fixed 32: batches of 32 requests and at most 32 sequences per engine (the seed's batch_size=32); the window
+    # packs by memory budget and lets concurrency grow to what memory allows
     variants = {
-        "fixed32": (SimParams(batching="fixed", fixed_batch=32), {"window_ms": 100}),
+        "fixed32": (SimParams(batching="fixed", fixed_batch=32, max_num_seqs=32), {"window_ms": 100}),
         "window100": (SimParams(), {"window_ms": 100}),
         "window200": (SimParams(), {"window_ms": 200}),
     }
@@ -108,16 +112,23 @@ def window_batching(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     results: dict[str, SimResult] = {}
     for name, (params, batcher) in variants.items():
         cfg = _config(args, cluster, "weighted", seed, batcher)
-        table[name], results[name] = run_once(cfg, reqs, params, [], "qwen2-72b", not args.no_progress, label=name)
+        table[name], results[name] = run_once(cfg, reqs, params, [], "qwen2-7b", not args.no_progress, label=name)
     plot_compare(results, out / "window-batching.png", "fixed 32 vs memory-budget window")
     f, w = table["fixed32"], table["window100"]
+    w2 = table["window200"]
     claims = [{
+        "mean_kv_util": {"fixed32": f["mean_kv_util"], "window100": w["mean_kv_util"], "window200": w2["mean_kv_util"],
+                         "seed": "memory utilisation 65% -> 89%"},
+        "mean_gpu_mem_util": {"fixed32": f["mean_gpu_mem_util"], "window100": w["mean_gpu_mem_util"],
+                              "window200": w2["mean_gpu_mem_util"]},
         "mean_batch_mem_util": {"fixed32": f["mean_batch_mem_util"], "window100": w["mean_batch_mem_util"],
-                                "window200": table["window200"]["mean_batch_mem_util"], "seed": "65% -> 89%"},
-        "mean_gpu_mem_util": {"fixed32": f["mean_gpu_mem_util"], "window100": w["mean_gpu_mem_util"]},
-        "small_p95_ms": {"fixed32": f["small_p95_ms"], "window100": w["small_p95_ms"],
-                         "window200": table["window200"]["small_p95_ms"], "seed": "< 85 ms (window)"},
-        "p95_ms": {"fixed32": f["p95_ms"], "window100": w["p95_ms"], "window200": table["window200"]["p95_ms"]},
+                                "window200": w2["mean_batch_mem_util"]},
+        "throughput_rps": {"fixed32": f["throughput_rps"], "window100": w["throughput_rps"],
+                           "window200": w2["throughput_rps"]},
+        "small_ttft_p95_ms": {"fixed32": f["small_ttft_p95_ms"], "window100": w["small_ttft_p95_ms"],
+                              "window200": w2["small_ttft_p95_ms"], "seed": "small-request P95 < 85 ms (window)"},
+        "small_p95_ms": {"fixed32": f["small_p95_ms"], "window100": w["small_p95_ms"], "window200": w2["small_p95_ms"]},
+        "p95_ms": {"fixed32": f["p95_ms"], "window100": w["p95_ms"], "window200": w2["p95_ms"]},
     }]
     return {"table": table, "claims": claims, "plot": str(out / "window-batching.png")}
 
@@ -141,16 +152,17 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         hours = max(1e-9, row["simulated_s"] / 3600.0)
         row["cost_per_request_usd"] = round(gpus * price * hours / max(1, row["completed"]), 6)
         table[str(gpus)] = row
-    # capacity: the same clusters under 4x the load (what each size can finish per second)
+    # capacity: the same clusters flooded (80 k requests arriving 40x faster than the seed's load, above what either
+    # size serves, for about a minute); completions per second in the steady middle half measure what each can do
     capacity: dict[str, float] = {}
     for gpus in (512, 1024):
         if gpus not in sizes:
             continue
         nodes = gpus // 8
         cfg = _config(args, _cluster(nodes // 8, 8), "weighted", seed)
-        heavy = list(scale_rate(load[: max(20_000, len(load) // 4)], 16.0))
+        heavy = list(scale_rate(load[:80_000], 40.0))
         row, _ = run_once(cfg, heavy, SimParams(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
-        capacity[str(gpus)] = row["throughput_rps"]
+        capacity[str(gpus)] = row["steady_throughput_rps"]
     _plot_pareto(table, out / "scale-pareto.png")
     claims = [{
         "throughput_1024_vs_512": (f"{_pct(capacity['512'], capacity['1024'])} (capacity at overload)"

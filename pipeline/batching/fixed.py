@@ -35,6 +35,10 @@ class FixedBatcher:
     pending: list[PendingRequest] = field(default_factory=list)
     window_open_ms: float | None = None
 
+    @property
+    def pending_count(self) -> int:
+        return len(self.pending)
+
     def offer(self, req: PendingRequest) -> None:
         if self.window_open_ms is None:
             self.window_open_ms = req.enqueued_ms

@@ -17,6 +17,7 @@ Pure: the caller passes the time, the node views and the random source (inside t
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,13 +28,36 @@ from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 
 
-@dataclass(slots=True)
 class PendingRequest:
-    request: RequestEvent
-    entry_id: str
-    """Stream id of the request in the rack stream; acknowledged once the batch holding it is written."""
-    enqueued_ms: float
-    windows_waited: int = 0
+    """A request waiting in a window. `windows_waited` counts the windows closed since it was offered (plus any
+    starting value), read off the batcher's close counter so a close costs nothing per waiting request."""
+
+    __slots__ = ("_at", "_base", "_counter", "enqueued_ms", "entry_id", "request")
+
+    def __init__(self, request: RequestEvent, entry_id: str, enqueued_ms: float, windows_waited: int = 0) -> None:
+        self.request = request
+        self.entry_id = entry_id
+        """Stream id of the request in the rack stream; acknowledged once the batch holding it is written."""
+        self.enqueued_ms = enqueued_ms
+        self._base = windows_waited
+        self._counter: list[int] | None = None
+        self._at = 0
+
+    def _attach(self, counter: list[int]) -> None:
+        self._base = self.windows_waited
+        self._counter = counter
+        self._at = counter[0]
+
+    @property
+    def windows_waited(self) -> int:
+        return self._base + (self._counter[0] - self._at if self._counter is not None else 0)
+
+    @windows_waited.setter
+    def windows_waited(self, value: int) -> None:
+        self._base = value - (self._counter[0] - self._at if self._counter is not None else 0)
+
+    def __repr__(self) -> str:
+        return f"PendingRequest({self.request.request_id!r}, waited={self.windows_waited})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +135,29 @@ class WindowBatcher:
     """Per node: the largest budget it can ever offer (mem_budget_fraction x GPU memory x tp)."""
     node_models: Mapping[str, frozenset[str]] | None = None
     """Per node: the models it serves; None: every node serves every model."""
-    pending: list[PendingRequest] = field(default_factory=list)
     window_open_ms: float | None = None
+    # Waiting requests: `_fresh` in offer order; `_aged` (waited age_after_windows or more) kept sorted by arrival,
+    # with `_aged_mems` sorted, so a close touches only what it places, the fresh ones and the ones turning aged.
+    _fresh: list[PendingRequest] = field(default_factory=list)
+    _aged: list[tuple[float, str, int, PendingRequest]] = field(default_factory=list)
+    _aged_mems: list[float] = field(default_factory=list)
+    _closes: list[int] = field(default_factory=lambda: [0])
+    _seq: int = 0
+
+    @property
+    def pending(self) -> list[PendingRequest]:
+        """Every waiting request (aged ones first, by arrival; then fresh ones in offer order)."""
+        return [a[3] for a in self._aged] + list(self._fresh)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._aged) + len(self._fresh)
 
     def offer(self, req: PendingRequest) -> None:
         if self.window_open_ms is None:
             self.window_open_ms = req.enqueued_ms
-        self.pending.append(req)
+        req._attach(self._closes)
+        self._fresh.append(req)
 
     def serves(self, node: str, model: str) -> bool:
         return self.node_models is None or model in self.node_models.get(node, frozenset())
@@ -130,7 +170,7 @@ class WindowBatcher:
         }
 
     def close_reason(self, now_ms: float, nodes: Sequence[NodeView]) -> CloseReason:
-        if not self.pending:
+        if not self._fresh and not self._aged:
             return CloseReason.EMPTY
         assert self.window_open_ms is not None
         if now_ms >= self.window_open_ms + self.policy.window_ms:  # same float expression as the timer
@@ -138,18 +178,30 @@ class WindowBatcher:
         budgets = self.budgets(nodes)
         if self.policy.close_when_node_idle and any(n.idle and budgets.get(n.name, 0) > 0 for n in nodes):
             return CloseReason.NODE_IDLE
-        if budgets and sum(p.request.mem_est_kb for p in self.pending) >= max(budgets.values()):
-            return CloseReason.BUDGET_FULL
+        if budgets:
+            top = max(budgets.values())
+            total = 0.0
+            for p in self._fresh:
+                total += p.request.mem_est_kb
+                if total >= top:
+                    return CloseReason.BUDGET_FULL
+            if self._aged and total + sum(self._aged_mems) >= top:
+                return CloseReason.BUDGET_FULL
         return CloseReason.NOT_YET
 
     def _cap_for(self, model: str) -> float:
         return max((c for n, c in self.node_caps_kb.items() if self.serves(n, model)), default=0.0)
 
+    def _to_aged(self, p: PendingRequest) -> None:
+        self._seq += 1
+        bisect.insort(self._aged, (p.request.arrival_ms, p.request.request_id, self._seq, p))
+        bisect.insort(self._aged_mems, p.request.mem_est_kb)
+
     def close(self, now_ms: float, nodes: Sequence[NodeView]) -> WindowOutcome:
+        self._closes[0] += 1
         rejections: list[Rejection] = []
-        keep: list[PendingRequest] = []
-        for p in self.pending:
-            p.windows_waited += 1
+        fresh: list[PendingRequest] = []
+        for p in self._fresh:
             cap = self._cap_for(p.request.model)
             if cap <= 0:
                 rejections.append(Rejection(p, f"no node of this rack serves model {p.request.model!r}"))
@@ -161,48 +213,43 @@ class WindowBatcher:
                         f"{cap / 1e6:.1f} GB for {p.request.model} in this rack; shorten the prompt or max_tokens",
                     )
                 )
+            elif p.windows_waited >= self.policy.age_after_windows:
+                self._to_aged(p)
             else:
-                keep.append(p)
-        aged = sorted(
-            (p for p in keep if p.windows_waited >= self.policy.age_after_windows),
-            key=lambda p: (p.request.arrival_ms, p.request.request_id),
-        )
-        fresh = sorted(
-            (p for p in keep if p.windows_waited < self.policy.age_after_windows),
-            key=lambda p: (p.request.mem_est_kb, p.request.arrival_ms, p.request.request_id),
-        )
-        order = aged + fresh
+                fresh.append(p)
+        fresh.sort(key=lambda p: (p.request.mem_est_kb, p.request.arrival_ms, p.request.request_id))
         budgets = self.budgets(nodes)
         views = {n.name: n for n in nodes}
         reserved: str | None = None
-        if aged and budgets and not any(
-            aged[0].request.mem_est_kb <= b for n, b in budgets.items() if self.serves(n, aged[0].request.model)
-        ):
-            # Reserve a node that can EVER hold it (cap >= its size), the one closest to holding it now.
-            need = aged[0].request.mem_est_kb
-            able = [
-                n for n in sorted(budgets)
-                if self.node_caps_kb.get(n, 0.0) >= need and self.serves(n, aged[0].request.model)
-            ]
-            if able:
-                reserved = max(able, key=lambda n: budgets[n])
-                del budgets[reserved]
+        if self._aged and budgets:
+            oldest = self._aged[0][3].request
+            if not any(oldest.mem_est_kb <= b for n, b in budgets.items() if self.serves(n, oldest.model)):
+                # Reserve a node that can EVER hold it (cap >= its size), the one closest to holding it now.
+                able = [n for n in sorted(budgets)
+                        if self.node_caps_kb.get(n, 0.0) >= oldest.mem_est_kb and self.serves(n, oldest.model)]
+                if able:
+                    reserved = max(able, key=lambda n: budgets[n])
+                    del budgets[reserved]
         opening_budget = dict(budgets)
         plans: dict[str, list[PendingRequest]] = {}
         choices: dict[str, list[DispatchChoice]] = {}
         opened: dict[tuple[str, str], list[str]] = {}
         open_choice: dict[tuple[str, str, str], int] = {}
-        left: list[PendingRequest] = []
         refused = False
-        for p in order:
+        max_budget = max(budgets.values(), default=0.0)
+
+        def place(p: PendingRequest) -> bool:
+            """Try to put one request on a node; True when placed."""
+            nonlocal refused, max_budget
             req = p.request
             mem = req.mem_est_kb
+            if mem > max_budget:
+                return False
             pname = self.policies.resolve(req.route_policy)
             pol = self.policies.get(pname)
             cands = [views[n] for n in sorted(budgets) if budgets[n] >= mem and self.serves(n, req.model)]
             if not cands:
-                left.append(p)
-                continue
+                return False
             key = (req.model, pname)
             node: str | None = None
             if not pol.per_request:
@@ -216,8 +263,7 @@ class WindowBatcher:
                 node = ch.node
                 if node is None:  # the policy found none of the nodes with room eligible (e.g. all W = 0)
                     refused = True
-                    left.append(p)
-                    continue
+                    return False
                 choices.setdefault(node, []).append(
                     DispatchChoice(pname, node, (req.request_id,), ch.draw, dict(ch.scores))
                 )
@@ -226,9 +272,32 @@ class WindowBatcher:
                     open_choice[(req.model, pname, node)] = len(choices[node]) - 1
             plans.setdefault(node, []).append(p)
             budgets[node] -= mem
+            max_budget = max(budgets.values(), default=0.0)
             v = views[node]
             views[node] = replace(v, kv_free_kb=max(0.0, v.kv_free_kb - mem), waiting=v.waiting + 1)
             pol.observe(node, req)
+            return True
+
+        # aged requests first, oldest first (first fit); stop as soon as no budget holds the smallest of them
+        kept: list[tuple[float, str, int, PendingRequest]] = []
+        for k, entry in enumerate(self._aged):
+            if not self._aged_mems or max_budget < self._aged_mems[0]:
+                kept.extend(self._aged[k:])
+                break
+            if place(entry[3]):
+                del self._aged_mems[bisect.bisect_left(self._aged_mems, entry[3].request.mem_est_kb)]
+            else:
+                kept.append(entry)
+        self._aged = kept
+        # then fresh ones by ascending memory: once one does not fit anywhere, no larger one does
+        left_fresh: list[PendingRequest] = []
+        for k, p in enumerate(fresh):
+            if p.request.mem_est_kb > max_budget:
+                left_fresh.extend(fresh[k:])
+                break
+            if not place(p):
+                left_fresh.append(p)
+        self._fresh = left_fresh
         out = tuple(
             BatchPlan(
                 node, tuple(reqs), sum(q.request.mem_est_kb for q in reqs), opening_budget[node],
@@ -236,12 +305,12 @@ class WindowBatcher:
             )
             for node, reqs in plans.items()
         )
-        if not left:
+        waiting = self.pending_count
+        if not waiting:
             stop = StopReason.ALL_PACKED
         elif not opening_budget or refused:
             stop = StopReason.NO_NODE
         else:
             stop = StopReason.NO_BUDGET
-        self.pending = left
-        self.window_open_ms = now_ms if left else None
-        return WindowOutcome(out, tuple(rejections), len(left), reserved, stop)
+        self.window_open_ms = now_ms if waiting else None
+        return WindowOutcome(out, tuple(rejections), waiting, reserved, stop)

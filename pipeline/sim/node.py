@@ -122,6 +122,10 @@ class SimNode:
         self.busy_ms = 0.0
         self.mem_integral = 0.0
         """Integral over time of (weights + KV bytes) / total memory, for the mean memory utilisation."""
+        self.kv_integral = 0.0
+        """Integral of KV used / KV capacity (the memory the engine can give to sequences)."""
+        self.seq_integral = 0.0
+        """Integral of running sequences (mean concurrency)."""
         self._last_mem_t = 0.0
         self.preemptions = 0
         self.prompt_tokens = 0
@@ -152,7 +156,10 @@ class SimNode:
 
     def _account_mem(self, now: float) -> None:
         if now > self._last_mem_t:
-            self.mem_integral += self._mem_frac() * (now - self._last_mem_t)
+            dt = now - self._last_mem_t
+            self.mem_integral += self._mem_frac() * dt
+            self.kv_integral += min(1.0, self.kv_tokens / self.capacity_tokens) * dt
+            self.seq_integral += self.running * dt
             self._last_mem_t = now
 
     # -- intake --------------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
     done = [i for i in range(len(res.arrival)) if res.finish[i] >= 0 and not res.dropped[i]]
     e2e = [res.finish[i] - res.arrival[i] for i in done]
     ttft = [res.first_token[i] - res.arrival[i] for i in done if res.first_token[i] >= 0]
-    small = [res.finish[i] - res.arrival[i] for i in done if res.in_tokens[i] + res.out_tokens[i] <= small_tokens]
+    is_small = [res.in_tokens[i] + res.out_tokens[i] <= small_tokens for i in range(len(res.arrival))]
+    small = [res.finish[i] - res.arrival[i] for i in done if is_small[i]]
+    small_ttft = [res.first_token[i] - res.arrival[i] for i in done if is_small[i] and res.first_token[i] >= 0]
     per_node: dict[int, list[float]] = defaultdict(list)
     for i in done:
         per_node[res.node_of[i]].append(res.finish[i] - res.arrival[i])
@@ -22,6 +24,13 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
     last = max((res.finish[i] for i in done), default=first)
     span_s = max(1e-9, (last - first) / 1000.0)
     out_tokens = sum(res.out_tokens[i] for i in done)
+    # completions per second between the 25th and 75th percentile of finish times: under sustained overload this
+    # is the cluster's capacity, free of the start-up ramp and of the drain tail
+    finishes = sorted(res.finish[i] for i in done)
+    steady = 0.0
+    if len(finishes) >= 8:
+        a, b = finishes[len(finishes) // 4], finishes[3 * len(finishes) // 4]
+        steady = (3 * len(finishes) // 4 - len(finishes) // 4) / max(1e-9, (b - a) / 1000.0)
     dropped = sum(1 for d in res.dropped if d)
     return {
         "requests": len(res.arrival),
@@ -35,10 +44,14 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
         "ttft_p95_ms": round(percentile(ttft, 95), 1),
         "ttft_p99_ms": round(percentile(ttft, 99), 1),
         "small_p95_ms": round(percentile(small, 95), 1),
+        "small_ttft_p95_ms": round(percentile(small_ttft, 95), 1),
         "small_requests": len(small),
         "throughput_rps": round(len(done) / span_s, 3),
+        "steady_throughput_rps": round(steady, 3),
         "output_tokens_per_s": round(out_tokens / span_s, 1),
         "mean_gpu_mem_util": round(statistics.fmean(res.mem_util), 4) if res.mem_util else 0.0,
+        "mean_kv_util": round(statistics.fmean(res.kv_util), 4) if res.kv_util else 0.0,
+        "mean_concurrency": round(statistics.fmean(res.concurrency), 1) if res.concurrency else 0.0,
         "mean_batch_mem_util": round(statistics.fmean(res.batch_mem_util), 4) if res.batch_mem_util else 0.0,
         "mean_batch_size": round(statistics.fmean(res.batch_sizes), 2) if res.batch_sizes else 0.0,
         "node_p95_std_ms": round(statistics.pstdev(node_p95), 1) if len(node_p95) > 1 else 0.0,

@@ -89,6 +89,10 @@ class SimResult:
     node_gpus: list[str]
     mem_util: list[float]
     """Per node: time-averaged (weights + KV) / memory over the run."""
+    kv_util: list[float]
+    """Per node: time-averaged KV used / KV capacity."""
+    concurrency: list[float]
+    """Per node: time-averaged running sequences."""
     busy_ms: list[float]
     preemptions: int
     prompt_tokens: int
@@ -162,6 +166,7 @@ class Simulator:
         self.node_of = [-1] * n
         self.dropped = [False] * n
         self.drop_reasons: dict[str, int] = {}
+        self.n_dropped = 0
         self.mem_est = [0.0] * n
         self.migrations = 0
         self.requeued: dict[int, tuple[int, int]] = {}
@@ -241,12 +246,14 @@ class Simulator:
         self._try_close(rack, now)
 
     def _drop(self, rid: int, reason: str) -> None:
+        if not self.dropped[rid]:
+            self.n_dropped += 1
         self.dropped[rid] = True
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
     def _try_close(self, rack: _Rack, now: float) -> None:
         b = rack.batcher
-        if not b.pending:
+        if not b.pending_count:
             return
         views = [self._node_view(i) for i in rack.nodes]
         reason = b.close_reason(now, views)
@@ -276,7 +283,7 @@ class Simulator:
                 prompt, remaining = self.requeued.pop(rid, (tr.in_tokens, tr.out_tokens))
                 seqs.append(SimSeq(rid, prompt, remaining, self.mem_est[rid], prefix))
             self._push(now + self.params.dispatch_latency_ms, BATCH, (i, seqs))
-        if b.pending and b.window_open_ms is not None:
+        if b.pending_count and b.window_open_ms is not None:
             due = b.window_open_ms + self.config.policies.batcher.window_ms
             if rack.timer_at is None or rack.timer_at > due or rack.timer_at <= now:
                 rack.timer_at = due
@@ -313,7 +320,7 @@ class Simulator:
             self.completed += 1
             self._rack_load(rack, -1)
         self._schedule_node(i, now)
-        if res.freed and rack.batcher.pending:
+        if res.freed and rack.batcher.pending_count:
             self._try_close(rack, now)
 
     def _check(self, node: SimNode) -> None:
@@ -401,6 +408,8 @@ class Simulator:
         report_every = max(1, n // 200)
         heap = self.heap
         while nxt < n or heap:
+            if nxt == n and self.completed + self.n_dropped >= n:
+                break  # every request is accounted for: what is left on the heap are faults with nothing to act on
             if nxt < n and (not heap or self.reqs[nxt].arrival_ms < heap[0][0]
                             or (self.reqs[nxt].arrival_ms == heap[0][0] and heap[0][1] > ARRIVAL)):
                 now = self.reqs[nxt].arrival_ms
@@ -441,7 +450,8 @@ class Simulator:
             out_tokens=[r.out_tokens for r in self.reqs], dropped=self.dropped,
             node_names=[x.name for x in self.nodes],
             node_gpus=[self.config.node(x.name).gpu for x in self.nodes],
-            mem_util=[x.mem_integral / span for x in self.nodes], busy_ms=[x.busy_ms for x in self.nodes],
+            mem_util=[x.mem_integral / span for x in self.nodes], kv_util=[x.kv_integral / span for x in self.nodes],
+            concurrency=[x.seq_integral / span for x in self.nodes], busy_ms=[x.busy_ms for x in self.nodes],
             preemptions=sum(x.preemptions for x in self.nodes), prompt_tokens=sum(x.prompt_tokens for x in self.nodes),
             cached_tokens=sum(x.cached_tokens for x in self.nodes), migrations=self.migrations,
             batch_mem_util=self.batch_mem_util, batch_sizes=self.batch_sizes, end_ms=now, events=self.events,

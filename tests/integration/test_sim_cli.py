@@ -1,0 +1,64 @@
+"""The simulator and cost-model CLIs as users run them (subprocesses, real files, no servers needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RF = [sys.executable, "-m", "workers.cli"]
+SIM_KEYS = ["completed", "dropped", "p50_ms", "p95_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms", "throughput_rps",
+            "output_tokens_per_s", "mean_gpu_mem_util", "node_p95_std_ms", "preemptions", "prefix_hit_rate",
+            "sim_wall_s"]
+
+
+def rf(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RF, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_sim_run_prints_every_key_and_is_deterministic(tmp_path: Path) -> None:
+    trace = REPO / "data" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+    args = ["sim", "run", "--trace", str(trace), "--format", "azure", "--policy", "weighted", "--requests", "3000",
+            "--json", "--no-progress"]
+    a, b = rf(*args), rf(*args)
+    assert a.returncode == 0, a.stderr[-2000:]
+    da, db = json.loads(a.stdout.strip().splitlines()[-1]), json.loads(b.stdout.strip().splitlines()[-1])
+    assert all(k in da for k in SIM_KEYS), [k for k in SIM_KEYS if k not in da]
+    assert da["completed"] + da["dropped"] == 3000 and da["dropped"] == 0
+    da.pop("sim_wall_s"), db.pop("sim_wall_s"), da.pop("requests_per_wall_s"), db.pop("requests_per_wall_s")
+    assert da == db, "same seed, same trace: the same JSON"
+    other = json.loads(rf(*args, "--seed", "1").stdout.strip().splitlines()[-1])
+    assert other["completed"] == 3000
+
+
+def test_sim_compare_writes_table_and_plot(tmp_path: Path) -> None:
+    res = rf("sim", "compare", "--policies", "round_robin,weighted", "--format", "synthetic", "--requests", "1500",
+             "--out", str(tmp_path), "--no-progress")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "round_robin" in res.stdout and "weighted" in res.stdout and "p95_ms" in res.stdout
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    rows = json.loads((tmp_path / "compare.json").read_text())
+    assert set(rows) == {"round_robin", "weighted"}
+
+
+def test_sim_faults_and_bad_fault_spec(tmp_path: Path) -> None:
+    ok = rf("sim", "run", "--format", "synthetic", "--requests", "1500", "--faults", "r0-n1@20:death,r1-n2@30:xid:10",
+            "--json", "--no-progress")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    d = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert d["completed"] == 1500 and d["migrations"] > 0
+    bad = rf("sim", "run", "--format", "synthetic", "--requests", "10", "--faults", "r0-n1:death", "--no-progress")
+    assert bad.returncode != 0 and "NODE@SECONDS:KIND" in bad.stderr
+
+
+def test_perf_prints_prefill_and_decode() -> None:
+    res = rf("perf", "--model", "llama-2-70b", "--gpu", "h100-80gb", "--tp", "8", "--prompt-tokens", "2048",
+             "--batch", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    assert d["prefill_ms"] > d["decode_ms_per_token"] > 0
+    unseen = rf("perf", "--model", "qwen2-72b", "--gpu", "h200-141gb", "--tp", "4", "--prompt-tokens", "1024",
+                "--batch", "8", "--json")
+    assert unseen.returncode == 0 and json.loads(unseen.stdout.strip().splitlines()[-1])["prefill_ms"] > 0
