@@ -262,15 +262,52 @@ class BatcherPolicy(_Strict):
     """Close the window at once when a node of the rack has no running sequence."""
 
 
+class TorchEngineConfig(_Strict):
+    model: str = "tiny-qwen2"
+    """Shape (a key of `models`) of the Qwen2-architecture model built from config with a fixed seed; the torch
+    engine serves every model name of its node with it (a laptop stand-in for the real weights)."""
+    checkpoint: str | None = None
+    """A local Hugging Face checkpoint directory (Qwen2 architecture) to load instead; nothing is downloaded."""
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    """Weights and KV dtype."""
+    threads: int = Field(default=1, ge=1, le=256)
+    """torch intra-op threads (1 keeps results bit-identical across processes)."""
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    """Seed of the random weights."""
+    max_batch: int = Field(default=16, ge=1, le=4096)
+    """Most sequences decoded together in one step."""
+    kv_capacity_mb: float = Field(default=64.0, gt=0, le=1e7)
+    """L0: KV memory the engine may hold; above it the least recently used sequences are swapped out to L1/L2."""
+    stop_at_eos: bool = True
+    """End a sequence when the model emits the end-of-sequence token (else always run to max_tokens)."""
+
+
+class KvTierConfig(_Strict):
+    l1_capacity_mb: float = Field(default=1024.0, ge=0, le=1e9)
+    """L1: node-local host memory (shared by the node's processes) for KV snapshots; 0 disables L1."""
+    l1_dir: str = "/dev/shm/rackflow-kv"
+    """Where L1 keeps its blobs (a RAM-backed directory; one subdirectory per node)."""
+    l2: Literal["valkey", "none"] = "valkey"
+    """L2 backend: the stream server itself (binary values) or none."""
+    l2_capacity_mb: float = Field(default=16_384.0, ge=0, le=1e12)
+    """L2 capacity; beyond it the least recently used snapshots are dropped."""
+    l2_ttl_s: int = Field(default=86_400, ge=60, le=90 * 86_400)
+    """L2 snapshots expire after this long without use."""
+
+
 class WorkerPolicy(_Strict):
     engine: Literal["sim", "torch", "vllm"] = "sim"
     """Default engine of `rackflow worker`."""
+    zero_time: bool = False
+    """`sim` engine: iterations take no time (measures the control plane alone, `rackflow bench pipeline`)."""
     token_flush_ms: int = Field(default=50, ge=0, le=10_000)
     """Tokens generated within this interval are sent to the client stream as one entry (0: every step)."""
     status_interval_ms: int = Field(default=200, ge=10, le=60_000)
     """How often the worker publishes its live status (HealthEvent + status hash)."""
     max_running: int = Field(default=256, ge=1, le=100_000)
     """Most sequences an engine runs at once."""
+    torch: TorchEngineConfig = TorchEngineConfig()
+    """The `torch` engine."""
 
 
 class StreamsPolicy(_Strict):
@@ -372,6 +409,7 @@ class Policies(_Strict):
     worker: WorkerPolicy = WorkerPolicy()
     streams: StreamsPolicy = StreamsPolicy()
     health: HealthPolicy = HealthPolicy()
+    kv: KvTierConfig = KvTierConfig()
     seed: int = Field(default=20231116, ge=0, le=2**63 - 1)
     """Seed of every random choice (weighted random dispatch); replay reproduces decisions with it."""
 

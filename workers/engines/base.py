@@ -1,6 +1,13 @@
 """The engine interface: a continuous-batching engine driven one iteration at a time (like vLLM's
-`LLMEngine.step()`): `submit` queues a sequence, `step` runs one iteration and returns the tokens it produced and
-the sequences that finished, `abort` drops one, `stats` reports its load for the node status."""
+`LLMEngine.step()`).
+
+`start`/`stop` own its resources; `submit` queues a sequence; `step` runs one iteration and returns the tokens it
+produced and the sequences that finished; `abort` drops one; `export_kv` snapshots a live sequence's KV state (and,
+with `remove=True`, takes it out of the engine: swap-out or migration); `import_kv` resumes a sequence from a
+snapshot so that it continues with exactly the tokens an uninterrupted run would give (greedy decoding); `stats`
+reports its load for the node status. Engines: `sim` (cost-model timing), `torch` (a real small transformer),
+`vllm` (GPU).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipeline.events import RequestEvent
+from pipeline.kv.snapshot import KvSnapshot
+
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked (unknown sequence, snapshot for another model, ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +38,7 @@ class SeqFinished:
     first_token_ms: float
     finish_ms: float
     reason: str = "length"
+    """`length` (max_tokens reached) or `stop` (end-of-sequence token)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +60,14 @@ class EngineStats:
     """Mean iteration time over the last 10 s (the node's inter-token latency)."""
     steps: int
     tokens: int
+    swapped_out: int = 0
+    """Sequences whose KV the engine moved to a lower tier (L1/L2) to make room."""
 
 
 class Engine(Protocol):
     name: str
+
+    async def start(self) -> None: ...
 
     def submit(self, req: RequestEvent) -> None: ...
 
@@ -60,4 +77,10 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
+    def export_kv(self, request_id: str, version: int, remove: bool = False) -> KvSnapshot: ...
+
+    def import_kv(self, snapshot: KvSnapshot, req: RequestEvent) -> None: ...
+
     def stats(self) -> EngineStats: ...
+
+    async def stop(self) -> None: ...
