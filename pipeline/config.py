@@ -8,12 +8,12 @@ tunables from the environment (connection URLs and secrets are the shell's busin
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_FILES = ("gpus.yaml", "models.yaml", "cluster.yaml", "policies.yaml", "gateway.yaml")
@@ -260,6 +260,12 @@ class BatcherPolicy(_Strict):
     """A request that waited this many windows is packed first and may reserve a node (no starvation)."""
     close_when_node_idle: bool = True
     """Close the window at once when a node of the rack has no running sequence."""
+    mode: Literal["window", "fixed"] = "window"
+    """`window`: the memory-budget sliding window; `fixed`: batches of `fixed_batch` requests (the baseline)."""
+    fixed_batch: int = Field(default=32, ge=1, le=100_000)
+    """Requests per batch in `fixed` mode (a partial batch leaves after `window_ms`)."""
+    consumers_per_rack: int = Field(default=1, ge=1, le=64)
+    """Batcher processes per rack started by `rackflow up` (one consumer group: any of them can die)."""
 
 
 class TorchEngineConfig(_Strict):
@@ -463,45 +469,73 @@ class RackflowConfig(_Strict):
                         )
         return self
 
-    # -- derived views ---------------------------------------------------------------------------------------
+    # -- derived views (memoized: the config is frozen, and these sit on every request's path) ------------------
+    _memo: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> RackflowConfig:
+        copy = super().model_copy(update=update, deep=deep)
+        copy._memo = {}  # a copy with other fields must not inherit derived views of the original
+        return copy
+
+    def _cached(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        v = self._memo.get(key, _MISSING)
+        if v is _MISSING:
+            v = make()
+            self._memo[key] = v
+        return v
+
     def nodes(self) -> tuple[NodeSpec, ...]:
-        return tuple(n for r in self.cluster.racks for n in r.expanded())
+        return self._cached(("nodes",), lambda: tuple(n for r in self.cluster.racks for n in r.expanded()))  # type: ignore[no-any-return]
+
+    def _node_index(self) -> dict[str, tuple[str, NodeSpec]]:
+        return self._cached(  # type: ignore[no-any-return]
+            ("node_index",), lambda: {n.name: (r.name, n) for r in self.cluster.racks for n in r.expanded()}
+        )
 
     def rack_of(self, node: str) -> str:
-        for r in self.cluster.racks:
-            if any(n.name == node for n in r.expanded()):
-                return r.name
-        raise KeyError(f"unknown node {node!r}; nodes: {', '.join(n.name for n in self.nodes())}")
+        hit = self._node_index().get(node)
+        if hit is None:
+            raise KeyError(f"unknown node {node!r}; nodes: {', '.join(n.name for n in self.nodes())}")
+        return hit[0]
 
     def node(self, name: str) -> NodeSpec:
-        for n in self.nodes():
-            if n.name == name:
-                return n
-        raise KeyError(f"unknown node {name!r}; nodes: {', '.join(n.name for n in self.nodes())}")
+        hit = self._node_index().get(name)
+        if hit is None:
+            raise KeyError(f"unknown node {name!r}; nodes: {', '.join(n.name for n in self.nodes())}")
+        return hit[1]
 
     def rack_names(self) -> tuple[str, ...]:
-        return tuple(r.name for r in self.cluster.racks)
+        return self._cached(("rack_names",), lambda: tuple(r.name for r in self.cluster.racks))  # type: ignore[no-any-return]
 
     def token_rates(self, model: str) -> TokenRates:
         return self.models[model].token_rates or self.policies.profiling.token_rates
 
     def nodes_serving(self, model: str, rack: str | None = None) -> tuple[str, ...]:
-        return tuple(
-            n.name
-            for r in self.cluster.racks
-            if rack is None or r.name == rack
-            for n in r.expanded()
-            if model in n.models
+        return self._cached(  # type: ignore[no-any-return]
+            ("nodes_serving", model, rack),
+            lambda: tuple(
+                n.name
+                for r in self.cluster.racks
+                if rack is None or r.name == rack
+                for n in r.expanded()
+                if model in n.models
+            ),
         )
 
     def racks_serving(self, model: str) -> tuple[str, ...]:
-        return tuple(r.name for r in self.cluster.racks if any(model in n.models for n in r.expanded()))
+        return self._cached(  # type: ignore[no-any-return]
+            ("racks_serving", model),
+            lambda: tuple(r.name for r in self.cluster.racks if any(model in n.models for n in r.expanded())),
+        )
 
     def node_mem_budget_kb(self, node: str) -> float:
         """The batcher's memory cap for one node: mem_budget_fraction of its GPU memory x tp, in KB."""
         spec = self.node(node)
         gpu = self.gpus[spec.gpu]
         return gpu.memory_gb * 1e6 * spec.tp * self.policies.batcher.mem_budget_fraction
+
+
+_MISSING = object()
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
@@ -118,6 +118,8 @@ class ResultEvent:
     batched_ms: float = 0.0
     start_ms: float = 0.0
     first_token_ms: float = 0.0
+    routed_ms: float = 0.0
+    """When the router placed the request on its rack (batched_ms - routed_ms is the window's wait)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,9 @@ class DecisionEvent:
     draw: float = -1.0
     """The random draw used, or -1 when the decision was deterministic."""
     batch_id: str = ""
+    choices: tuple[str, ...] = ()
+    """For a decision over several requests made in order (a router batch): the choice for each of
+    `request_ids`; `scores` is then what the policy saw before the first of them."""
 
 
 Event = RequestEvent | BatchEvent | TokenEvent | ResultEvent | HealthEvent | DecisionEvent
@@ -171,17 +176,6 @@ EVENT_TYPES: dict[str, type[Any]] = {
     cls.TYPE: cls for cls in (RequestEvent, BatchEvent, TokenEvent, ResultEvent, HealthEvent, DecisionEvent)
 }
 E = TypeVar("E")
-
-_HINTS: dict[type[Any], dict[str, Any]] = {}
-
-
-def _hints(cls: type[Any]) -> dict[str, Any]:
-    h = _HINTS.get(cls)
-    if h is None:
-        h = typing.get_type_hints(cls)
-        _HINTS[cls] = h
-    return h
-
 
 def to_wire(event: Any) -> dict[str, Any]:
     """Plain data (dicts, lists, str, int, float, bool, None) for an event; nested events become dicts."""
@@ -196,73 +190,133 @@ def to_wire(event: Any) -> dict[str, Any]:
     return out
 
 
-def _check(tname: str, path: str, value: Any, ann: Any) -> Any:
+Checker = Callable[[str, str, Any], Any]
+
+
+def _bad(tname: str, path: str, reason: str) -> EventValidationError:
+    return EventValidationError(tname, path, reason)
+
+
+def _compile(ann: Any) -> Checker:
+    """A checker for one annotation, built once per event class (decoding is on every consumer's hot path)."""
     origin = get_origin(ann)
     if origin in (Union, types.UnionType):
         args = get_args(ann)
-        if value is None and type(None) in args:
-            return None
-        non_none = [a for a in args if a is not type(None)]
-        return _check(tname, path, value, non_none[0])
+        inner = _compile(next(a for a in args if a is not type(None)))
+        nullable = type(None) in args
+
+        def check_union(t: str, p: str, v: Any) -> Any:
+            if v is None and nullable:
+                return None
+            return inner(t, p, v)
+
+        return check_union
     if ann is str:
-        if not isinstance(value, str):
-            raise EventValidationError(tname, path, f"expected a string, got {type(value).__name__}")
-        if len(value) > MAX_STR:
-            raise EventValidationError(tname, path, f"string longer than {MAX_STR} characters")
-        return value
+        def check_str(t: str, p: str, v: Any) -> Any:
+            if type(v) is not str:
+                raise _bad(t, p, f"expected a string, got {type(v).__name__}")
+            if len(v) > MAX_STR:
+                raise _bad(t, p, f"string longer than {MAX_STR} characters")
+            return v
+
+        return check_str
     if ann is bool:
-        if not isinstance(value, bool):
-            raise EventValidationError(tname, path, f"expected a boolean, got {type(value).__name__}")
-        return value
+        def check_bool(t: str, p: str, v: Any) -> Any:
+            if type(v) is not bool:
+                raise _bad(t, p, f"expected a boolean, got {type(v).__name__}")
+            return v
+
+        return check_bool
     if ann is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise EventValidationError(tname, path, f"expected an integer, got {type(value).__name__}")
-        if not -(2**63) <= value < 2**63:
-            raise EventValidationError(tname, path, "integer out of the 64-bit range")
-        return value
+        def check_int(t: str, p: str, v: Any) -> Any:
+            if type(v) is not int:
+                raise _bad(t, p, f"expected an integer, got {type(v).__name__}")
+            if not -(2**63) <= v < 2**63:
+                raise _bad(t, p, "integer out of the 64-bit range")
+            return v
+
+        return check_int
     if ann is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise EventValidationError(tname, path, f"expected a number, got {type(value).__name__}")
-        fv = float(value)
-        if not math.isfinite(fv):
-            raise EventValidationError(tname, path, "expected a finite number")
-        return fv
+        def check_float(t: str, p: str, v: Any) -> Any:
+            tv = type(v)
+            if tv is float:
+                if v != v or v in (math.inf, -math.inf):
+                    raise _bad(t, p, "expected a finite number")
+                return v
+            if tv is int:
+                return float(v)
+            raise _bad(t, p, f"expected a number, got {tv.__name__}")
+
+        return check_float
     if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise EventValidationError(tname, path, f"expected a list, got {type(value).__name__}")
-        if len(value) > MAX_ITEMS:
-            raise EventValidationError(tname, path, f"more than {MAX_ITEMS} items")
-        (item_ann, _ellipsis) = get_args(ann)
-        return tuple(_check(tname, f"{path}[{i}]", x, item_ann) for i, x in enumerate(value))
+        item_ann, _ellipsis = get_args(ann)
+        item = _compile(item_ann)
+        fast = item_ann in (int, str)
+
+        def check_tuple(t: str, p: str, v: Any) -> Any:
+            if not isinstance(v, list | tuple):
+                raise _bad(t, p, f"expected a list, got {type(v).__name__}")
+            if len(v) > MAX_ITEMS:
+                raise _bad(t, p, f"more than {MAX_ITEMS} items")
+            if fast and all(type(x) is item_ann for x in v) and (
+                item_ann is str or all(-(2**63) <= x < 2**63 for x in v)
+            ):
+                return tuple(v)
+            return tuple(item(t, f"{p}[{i}]", x) for i, x in enumerate(v))
+
+        return check_tuple
     if origin is dict:
-        if not isinstance(value, dict):
-            raise EventValidationError(tname, path, f"expected a mapping, got {type(value).__name__}")
-        if len(value) > MAX_ITEMS:
-            raise EventValidationError(tname, path, f"more than {MAX_ITEMS} items")
         k_ann, v_ann = get_args(ann)
-        return {
-            _check(tname, f"{path}.<key>", k, k_ann): _check(tname, f"{path}[{k!r}]", v, v_ann)
-            for k, v in value.items()
-        }
+        kc, vc = _compile(k_ann), _compile(v_ann)
+
+        def check_dict(t: str, p: str, v: Any) -> Any:
+            if not isinstance(v, dict):
+                raise _bad(t, p, f"expected a mapping, got {type(v).__name__}")
+            if len(v) > MAX_ITEMS:
+                raise _bad(t, p, f"more than {MAX_ITEMS} items")
+            return {kc(t, f"{p}.<key>", k): vc(t, f"{p}[{k!r}]", x) for k, x in v.items()}
+
+        return check_dict
     if isinstance(ann, type) and dataclasses.is_dataclass(ann):
-        try:
-            return from_wire(ann, value)
-        except EventValidationError as e:
-            raise EventValidationError(tname, f"{path}.{e.path}" if e.path else path, e.reason) from None
-    raise TypeError(f"events: unsupported annotation {ann!r} at {tname}.{path}")  # our mistake, not the sender's
+        cls = ann
+
+        def check_event(t: str, p: str, v: Any) -> Any:
+            try:
+                return from_wire(cls, v)
+            except EventValidationError as e:
+                raise _bad(t, f"{p}.{e.path}" if e.path else p, e.reason) from None
+
+        return check_event
+    raise TypeError(f"events: unsupported annotation {ann!r}")  # our mistake, not the sender's
+
+
+_PLANS: dict[type[Any], tuple[str, list[tuple[str, Checker, bool]]]] = {}
+
+
+def _plan(cls: type[Any]) -> tuple[str, list[tuple[str, Checker, bool]]]:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = typing.get_type_hints(cls)
+        fields = [
+            (f.name, _compile(hints[f.name]),
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)
+        ]
+        plan = (cls.TYPE, fields)
+        _PLANS[cls] = plan
+    return plan
 
 
 def from_wire(cls: type[E], data: Any) -> E:
     """Validate plain data into an event of type `cls`; raises EventValidationError naming the bad field."""
-    tname: str = cls.TYPE  # type: ignore[attr-defined]
+    tname, fields = _plan(cls)
     if not isinstance(data, Mapping):
         raise EventValidationError(tname, "", f"expected a mapping, got {type(data).__name__}")
-    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in data:
-            kwargs[f.name] = _check(tname, f.name, data[f.name], hints[f.name])
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise EventValidationError(tname, f.name, "required field is missing")
+    for name, check, required in fields:
+        if name in data:
+            kwargs[name] = check(tname, name, data[name])
+        elif required:
+            raise EventValidationError(tname, name, "required field is missing")
     # Unknown keys are ignored: a newer producer may add fields within the same codec version.
     return cls(**kwargs)

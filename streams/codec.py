@@ -61,12 +61,33 @@ def decode(fields: Mapping[Any, Any]) -> Event:
         data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on bad input
         raise DecodeError(f"payload is not valid msgpack: {type(e).__name__}: {e}") from None
+    overlay = fields.get(b"o", fields.get("o"))
+    if overlay is not None:
+        # fields a forwarding hop set without re-encoding the payload (the router: rack, routed_ms, ...)
+        try:
+            extra = msgpack.unpackb(overlay if isinstance(overlay, bytes) else overlay.encode(), raw=False)
+        except Exception as e:
+            raise DecodeError(f"overlay is not valid msgpack: {type(e).__name__}: {e}") from None
+        if not isinstance(extra, dict) or not isinstance(data, dict):
+            raise DecodeError("overlay and payload must both be mappings")
+        data = {**data, **extra}
     try:
         return from_wire(cls, data)  # type: ignore[no-any-return]
     except EventValidationError as e:
         raise DecodeError(f"invalid {t}: {e}") from None
     except (TypeError, ValueError) as e:  # e.g. unhashable keys inside a mapping
         raise DecodeError(f"invalid {t}: {type(e).__name__}: {e}") from None
+
+
+def with_overlay(fields: Mapping[bytes, bytes], **changes: Any) -> dict[bytes, bytes]:
+    """The same entry with some fields changed, without decoding and re-encoding its payload: a forwarding hop
+    (the router) pays for the few fields it sets, not for the whole request (and its prompt)."""
+    out = {k if isinstance(k, bytes) else str(k).encode(): v for k, v in fields.items() if k not in (b"o", "o")}
+    old = fields.get(b"o", fields.get("o"))
+    merged = dict(msgpack.unpackb(old, raw=False)) if isinstance(old, bytes) else {}
+    merged.update(changes)
+    out[b"o"] = msgpack.packb(merged, use_bin_type=True)
+    return out
 
 
 def encode_fields_for_dlq(fields: Mapping[Any, Any]) -> bytes:

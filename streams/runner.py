@@ -38,8 +38,33 @@ log = logging.getLogger(__name__)
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, TransientStreamError)
 
 
+try:
+    import hiredis
+
+    class HiredisPackConnection(aioredis.Connection):
+        """redis-py's asyncio connection packs commands in pure Python (its sync client uses hiredis): on a stream
+        hop that is a third of the client's CPU. Pack with hiredis instead; anything it cannot take (a memoryview,
+        a bool) goes through the original packer."""
+
+        def pack_command(self, *args: Any) -> list[bytes]:
+            head = args[0]
+            if isinstance(head, str) and " " in head:
+                args = (*head.split(), *args[1:])
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError:
+                return super().pack_command(*args)
+
+    FAST_CONNECTION: type[aioredis.Connection] | None = HiredisPackConnection
+except ImportError:  # pragma: no cover - hiredis is a dependency
+    FAST_CONNECTION = None
+
+
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
-    """An asyncio client that retries transient failures with jittered exponential backoff."""
+    """An asyncio client that retries transient failures with jittered exponential backoff (and packs commands
+    with hiredis on plain TCP connections)."""
+    if FAST_CONNECTION is not None and url.startswith("redis://") and "connection_class" not in kwargs:
+        kwargs["connection_class"] = FAST_CONNECTION
     return aioredis.Redis.from_url(
         url,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=8),
@@ -90,12 +115,14 @@ class StreamProducer:
             )
         )
 
-    async def add_many(self, items: Iterable[tuple[str, Event]]) -> list[str]:
+    async def add_many(self, items: Iterable[tuple[str, Event | dict[bytes, bytes]]]) -> list[str]:
+        """Append many entries in one round trip; an item is an event, or entry fields already encoded."""
         minid = minid_for(self.now_ms(), self.retention_ms)
         pipe = self.r.pipeline(transaction=False)
         n = 0
         for stream, event in items:
-            pipe.xadd(stream, codec.encode(event), minid=minid, approximate=True)  # type: ignore[arg-type]
+            fields = event if isinstance(event, dict) else codec.encode(event)
+            pipe.xadd(stream, fields, minid=minid, approximate=True)  # type: ignore[arg-type]
             n += 1
         if not n:
             return []

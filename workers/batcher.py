@@ -14,6 +14,7 @@ import asyncio
 import logging
 import uuid
 
+from pipeline.batching.fixed import FixedBatcher
 from pipeline.batching.ledger import ReservationLedger
 from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
 from pipeline.config import RackflowConfig
@@ -22,6 +23,7 @@ from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers import metrics
 from workers.cluster_view import ClusterView
 from workers.etcd_store import NodeRegistry
 from workers.results import ResultWriter
@@ -45,9 +47,12 @@ class Batcher:
         self.policies = NodePolicySet(
             pol.node_selection, pol.seed, rack, {n.name: n.gpu for n in nodes}, pol.profiling.prefix_block_tokens
         )
-        self.window = WindowBatcher(
-            pol.batcher, self.policies, caps, {n.name: frozenset(n.models) for n in nodes}
-        )
+        models = {n.name: frozenset(n.models) for n in nodes}
+        self.window: WindowBatcher | FixedBatcher
+        if pol.batcher.mode == "fixed":
+            self.window = FixedBatcher(pol.batcher, self.policies, caps, models, pol.batcher.fixed_batch)
+        else:
+            self.window = WindowBatcher(pol.batcher, self.policies, caps, models)
         self.ledger = ReservationLedger()
         self.r = connect(redis_url)
         self.registry = NodeRegistry(etcd_url)
@@ -117,9 +122,15 @@ class Batcher:
                 self._held.difference_update(ids)
                 self.batches += 1
                 self.dispatched += len(plan.requests)
+                metrics.BATCHES.labels(self.rack, plan.node, plan.choices[0].policy if plan.choices else "").inc()
+                metrics.BATCH_REQUESTS.labels(self.rack).observe(len(plan.requests))
+                metrics.BATCH_MEM_UTIL.labels(self.rack).observe(plan.utilisation)
+                for p in plan.requests:
+                    metrics.BATCH_WAIT_MS.labels(self.rack).observe(max(0.0, now - p.enqueued_ms))
                 log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
                           batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation, reason.value)
             for rej in outcome.rejections:
+                metrics.REJECTED.labels(self.rack).inc()
                 await self.results.write(error_result(rej.pending.request, rej.reason, rack=self.rack))
                 await self.consumer.ack([rej.pending.entry_id])
                 self._held.discard(rej.pending.entry_id)

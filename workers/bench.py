@@ -211,6 +211,36 @@ def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8
 def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> int:
     from workers.services import EmbeddedServices
 
+    if args.what in ("pipeline", "batching", "kv"):
+        services = None
+        tmp = None
+        if endpoints is None:
+            tmp = tempfile.TemporaryDirectory(prefix="rackflow-bench-")
+            services = EmbeddedServices(Path(tmp.name))
+            ep = services.start()
+            endpoints = (ep.redis_url, ep.etcd_url)
+        try:
+            if args.what == "pipeline":
+                from workers.bench_pipeline import bench_pipeline
+
+                res = bench_pipeline(endpoints[0], endpoints[1], requests=args.requests,
+                                     progress=not args.no_progress)
+            elif args.what == "batching":
+                from workers.bench_pipeline import bench_batching
+
+                res = bench_batching(endpoints[0], endpoints[1], requests=args.requests_batching,
+                                     progress=not args.no_progress)
+            else:
+                from workers.kv.bench import bench_kv
+
+                res = bench_kv(endpoints[0])
+        finally:
+            if services is not None:
+                services.stop()
+            if tmp is not None:
+                tmp.cleanup()
+        _print(res, args.json)
+        return 0
     if args.what in ("profile", "route"):
         if args.what == "profile":
             res = bench_profile(Path(args.config_dir), [Path(p) for p in args.config],

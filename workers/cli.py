@@ -81,12 +81,20 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 # -- roles ---------------------------------------------------------------------------------------------------------
+def _serve_metrics(args: argparse.Namespace) -> None:
+    if getattr(args, "metrics_port", None) is not None:
+        from workers import metrics
+
+        metrics.serve(args.metrics_port)
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     from workers.router import Router
 
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
     setup_logging(args.log_level, "router")
+    _serve_metrics(args)
     return run_until_signalled(lambda stop: Router(config, redis_url, etcd_url).run(stop))
 
 
@@ -96,6 +104,7 @@ def cmd_batcher(args: argparse.Namespace) -> int:
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
     setup_logging(args.log_level, f"batcher-{args.rack}")
+    _serve_metrics(args)
     return run_until_signalled(lambda stop: Batcher(config, args.rack, redis_url, etcd_url).run(stop))
 
 
@@ -105,6 +114,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
     setup_logging(args.log_level, f"worker-{args.node}")
+    _serve_metrics(args)
     engine = args.engine or config.policies.worker.engine
     return run_until_signalled(
         lambda stop: Worker(config, args.node, engine, redis_url, etcd_url, grace_s=args.grace).run(stop)
@@ -360,13 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_services)
 
     s = sub.add_parser("router", help="run the router (consumer group 'router' on rf:ingress)")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics (0: any free port)")
     s.set_defaults(fn=cmd_router)
     s = sub.add_parser("batcher", help="run the windowing batcher of one rack")
     s.add_argument("--rack", required=True)
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics (0: any free port)")
     s.set_defaults(fn=cmd_batcher)
     s = sub.add_parser("worker", help="run the GPU worker of one node")
     s.add_argument("--node", required=True)
-    s.add_argument("--engine", choices=["sim"], default=None)
+    s.add_argument("--engine", choices=["sim", "torch", "vllm"], default=None)
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics (0: any free port)")
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish live sequences on SIGTERM")
     s.set_defaults(fn=cmd_worker)
 
@@ -392,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("up", help="services + router + a batcher per rack + a worker per node + the gateway; "
                                   "Ctrl-C stops")
-    s.add_argument("--engine", choices=["sim"], default=None)
+    s.add_argument("--engine", choices=["sim", "torch", "vllm"], default=None)
     s.add_argument("--gateway-port", type=int, default=None, help="default: gateway.port in config")
     s.add_argument("--no-auth", action="store_true", help="run the gateway without JWT auth")
     s.set_defaults(fn=cmd_up)
@@ -406,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="report", help="directory for demo.png and demo.json")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     s.add_argument("--no-progress", action="store_true")
-    s.add_argument("--engine", choices=["sim"], default=None)
+    s.add_argument("--engine", choices=["sim", "torch"], default=None)
     s.set_defaults(fn=cmd_demo)
 
     from workers.sim_cli import add_parser as add_sim_parser
@@ -430,7 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_perf)
 
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
-    s.add_argument("what", choices=["streams", "profile", "route"])
+    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv"])
+    s.add_argument("--requests", type=int, default=20_000, help="pipeline: requests in the flood")
+    s.add_argument("--requests-batching", type=int, default=1500, help="batching: trace requests per variant")
+    s.add_argument("--no-progress", action="store_true")
     s.add_argument("--json", action="store_true")
     s.add_argument("--entries", type=int, default=20000, help="streams: entries per repeat")
     s.add_argument("--tokenizer", default=None, help="profile: count with this tokenizer.json (exact path)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import random
 import statistics
 import sys
@@ -27,12 +26,13 @@ from tqdm import tqdm
 from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, ResultEvent
 from pipeline.profiling import ProfileInput
+from pipeline.sim.simulator import percentile
 from pipeline.sim.traces import TraceRequest, parse_azure
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import connect
-from workers.etcd_store import NodeRegistry
 from workers.gateway import Gateway
+from workers.launcher import wait_cluster_ready
 from workers.runtime import WALL
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,6 @@ def zipf_users(n_users: int, s: float, rng: random.Random, count: int) -> list[s
     return [f"user-{k:04d}" for k in rng.choices(range(n_users), weights=weights, k=count)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 @dataclass
 class DemoRun:
     config: RackflowConfig
@@ -78,37 +69,7 @@ class DemoRun:
     result_counts: Counter[str] = field(default_factory=Counter)
 
     async def wait_ready(self, timeout_s: float = 90.0) -> None:
-        r = connect(self.redis_url)
-        registry = NodeRegistry(self.etcd_url)
-        want = {n.name for n in self.config.nodes()}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                registered = set(await registry.nodes())
-                pipe = r.pipeline(transaction=False)
-                for n in sorted(want):
-                    pipe.exists(keys.node_status(n))
-                have = {n for n, e in zip(sorted(want), await pipe.execute(), strict=True) if e}
-                groups = 0
-                for stream, group in [(keys.INGRESS, keys.GROUP_ROUTER)] + [
-                    (keys.rack_requests(rk), keys.GROUP_BATCHER) for rk in self.config.rack_names()
-                ]:
-                    try:
-                        infos = await r.xinfo_groups(stream)
-                    except Exception:
-                        infos = []
-                    groups += any(g.get("name") in (group, group.encode()) and g.get("consumers") for g in infos)
-                if want <= registered and want <= have and groups == 1 + len(self.config.rack_names()):
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"cluster not ready after {timeout_s:.0f}s: nodes registered {len(registered & want)}/"
-                        f"{len(want)}, with status {len(have)}/{len(want)}, consumer groups {groups}"
-                    )
-                await asyncio.sleep(0.2)
-        finally:
-            await registry.close(revoke=False)
-            await r.aclose()
+        await wait_cluster_ready(self.config, self.redis_url, self.etcd_url, timeout_s)
 
     async def run(self) -> dict[str, Any]:
         rows = read_azure_trace(self.trace, self.requests)

@@ -70,7 +70,8 @@ class ClusterProcesses:
         for node in self.config.nodes():
             self.start_worker(node.name)
         for rack in self.config.rack_names():
-            self._spawn("batcher", f"batcher-{rack}", ["--rack", rack])
+            for k in range(self.config.policies.batcher.consumers_per_rack):
+                self._spawn("batcher", f"batcher-{rack}" + (f"-{k}" if k else ""), ["--rack", rack])
         self._spawn("router", "router", [])
         if self.with_gateway:
             self.start_gateway()
@@ -111,3 +112,45 @@ class ClusterProcesses:
             if p.name == name and p.proc.poll() is None:
                 p.proc.kill()
                 p.proc.wait()
+
+
+async def wait_cluster_ready(config: RackflowConfig, redis_url: str, etcd_url: str, timeout_s: float = 90.0) -> None:
+    """Until every node is registered in etcd and publishes its status, and the router and every rack's batcher
+    have joined their consumer groups; TimeoutError naming what is missing otherwise."""
+    import asyncio
+
+    from streams import keys
+    from streams.runner import connect
+    from workers.etcd_store import NodeRegistry
+
+    r = connect(redis_url)
+    registry = NodeRegistry(etcd_url)
+    want = {n.name for n in config.nodes()}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            registered = set(await registry.nodes())
+            pipe = r.pipeline(transaction=False)
+            for n in sorted(want):
+                pipe.exists(keys.node_status(n))
+            have = {n for n, e in zip(sorted(want), await pipe.execute(), strict=True) if e}
+            groups = 0
+            for stream, group in [(keys.INGRESS, keys.GROUP_ROUTER)] + [
+                (keys.rack_requests(rk), keys.GROUP_BATCHER) for rk in config.rack_names()
+            ]:
+                try:
+                    infos = await r.xinfo_groups(stream)
+                except Exception:
+                    infos = []
+                groups += any(g.get("name") in (group, group.encode()) and g.get("consumers") for g in infos)
+            if want <= registered and want <= have and groups == 1 + len(config.rack_names()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"cluster not ready after {timeout_s:.0f}s: nodes registered {len(registered & want)}/"
+                    f"{len(want)}, with status {len(have)}/{len(want)}, consumer groups {groups}"
+                )
+            await asyncio.sleep(0.2)
+    finally:
+        await registry.close(revoke=False)
+        await r.aclose()

@@ -27,12 +27,41 @@ redis.call('SET', KEYS[1], tostring(v), 'EX', ARGV[3])
 return tostring(v)
 """
 
+# A client stream's first entry and its TTL in one command.
+_FIRST_LUA = """
+redis.call('XADD', KEYS[1], '*', 'v', ARGV[1], 't', ARGV[2], 'd', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
 _FINAL_LUA = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('XADD', KEYS[2], 'MINID', '~', ARGV[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
   return 1
 end
 return 0
+"""
+
+
+# One round trip for a whole finish on a single server: the exactly-once result, the user's EWMA, the last token
+# chunk and the end of the client stream. (On Redis Cluster these keys live in different slots: write_many then
+# takes the two-phase path of slot-safe commands.)
+_FINISH_LUA = """
+local written = 0
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('XADD', KEYS[2], 'MINID', '~', ARGV[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
+  written = 1
+  if ARGV[10] == '1' then
+    local v = tonumber(ARGV[11])
+    local old = redis.call('GET', KEYS[4])
+    if old then v = tonumber(ARGV[8]) * v + (1 - tonumber(ARGV[8])) * tonumber(old) end
+    redis.call('SET', KEYS[4], tostring(v), 'EX', ARGV[9])
+  end
+end
+if ARGV[12] ~= '' then redis.call('XADD', KEYS[3], '*', 'v', ARGV[12], 't', ARGV[13], 'd', ARGV[14]) end
+redis.call('XADD', KEYS[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[7])
+return written
 """
 
 
@@ -50,6 +79,11 @@ class ResultWriter:
         self.ewma_alpha = ewma_alpha
         self.ewma_ttl_s = ewma_ttl_s
         self._ewma = r.register_script(_EWMA_LUA)
+        self._finish = r.register_script(_FINISH_LUA)
+        self._first = r.register_script(_FIRST_LUA)
+        from redis.asyncio.cluster import RedisCluster
+
+        self.cluster = isinstance(r, RedisCluster)
         self.now_ms = now_ms
         self.retention_ms = retention_ms
         self.out_ttl_s = out_ttl_s
@@ -88,17 +122,89 @@ class ResultWriter:
         await pipe.execute()
         return bool(written)
 
+    async def write_many(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
+        """Token chunks, then final results, for many requests in two round trips (a worker's whole step):
+        the tokens and the exactly-once result scripts first, then the EWMA updates of the results that were
+        written and the end of each client stream."""
+        if not results and not tokens:
+            return []
+        if not self.cluster:
+            return await self._write_many_single(results, tokens)
+        minid = minid_for(self.now_ms(), self.retention_ms)
+        pipe = self.r.pipeline(transaction=False)
+        expiring: set[str] = set()
+        for ev in tokens:
+            out = keys.request_out(ev.request_id)
+            pipe.xadd(out, codec.encode(ev))  # type: ignore[arg-type]
+            if ev.index == 0:  # the stream is new: give it its TTL once (XADD keeps an existing TTL)
+                pipe.expire(out, self.out_ttl_s)
+                expiring.add(ev.request_id)
+        encoded = [codec.encode(r) for r in results]
+        for r, f in zip(results, encoded, strict=True):
+            await self._script(  # on a pipeline this queues the EVALSHA (redis.asyncio scripts are coroutines)
+                keys=[keys.result_done(r.request_id), keys.RESULTS],
+                args=[r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"]],
+                client=pipe,
+            )
+        replies = await pipe.execute()
+        written = [bool(x) for x in replies[len(tokens) + len(expiring):]]
+        pipe = self.r.pipeline(transaction=False)
+        for r, f, w in zip(results, encoded, written, strict=True):
+            if w and r.status == "ok":
+                await self._ewma(keys=[keys.user_out_ewma(r.tenant, r.user_id)],
+                                 args=[r.out_tokens, self.ewma_alpha, self.ewma_ttl_s], client=pipe)
+            elif not w:
+                log.info("request %s v%d: final result already written; duplicate dropped", r.request_id, r.version)
+            out = keys.request_out(r.request_id)
+            pipe.xadd(out, f)  # type: ignore[arg-type]
+            pipe.expire(out, self.out_ttl_s)  # also covers a result whose stream had no token chunk
+        if results:
+            await pipe.execute()
+        return written
+
+    async def _write_many_single(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
+        minid = minid_for(self.now_ms(), self.retention_ms)
+        finishing = {r.request_id for r in results}
+        last_chunk = {t.request_id: t for t in tokens if t.request_id in finishing}
+        pipe = self.r.pipeline(transaction=False)
+        for ev in tokens:
+            if ev.request_id in finishing:
+                continue  # goes out inside the finish script, right before the result
+            out = keys.request_out(ev.request_id)
+            f = codec.encode(ev)
+            if ev.index == 0:
+                await self._first(keys=[out], args=[f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s], client=pipe)
+            else:
+                pipe.xadd(out, f)  # type: ignore[arg-type]
+        n_before = len(pipe.command_stack)
+        for r in results:
+            f = codec.encode(r)
+            chunk = last_chunk.get(r.request_id)
+            cf = codec.encode(chunk) if chunk is not None else {b"v": b"", b"t": b"", b"d": b""}
+            await self._finish(
+                keys=[keys.result_done(r.request_id), keys.RESULTS, keys.request_out(r.request_id),
+                      keys.user_out_ewma(r.tenant, r.user_id)],
+                args=[r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s,
+                      self.ewma_alpha, self.ewma_ttl_s, "1" if r.status == "ok" else "0", r.out_tokens,
+                      cf[b"v"], cf[b"t"], cf[b"d"]],
+                client=pipe,
+            )
+        replies = await pipe.execute()
+        written = [bool(x) for x in replies[n_before:]]
+        for r, w in zip(results, written, strict=True):
+            if not w:
+                log.info("request %s v%d: final result already written; duplicate dropped", r.request_id, r.version)
+        return written
+
     async def is_done(self, request_id: str) -> bool:
         return bool(await self.r.exists(keys.result_done(request_id)))
 
     async def done_among(self, request_ids: list[str]) -> set[str]:
         if not request_ids:
             return set()
-        pipe = self.r.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.exists(keys.result_done(rid))
-        flags = await pipe.execute()
-        return {rid for rid, f in zip(request_ids, flags, strict=True) if f}
+        # every marker hashes to the {rf:results} slot: one MGET, also on Redis Cluster
+        values = await self.r.mget([keys.result_done(rid) for rid in request_ids])
+        return {rid for rid, v in zip(request_ids, values, strict=True) if v is not None}
 
     async def stream_tokens(self, events: list[TokenEvent]) -> None:
         """Append token chunks to their clients' streams in one round trip."""

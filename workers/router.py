@@ -17,8 +17,9 @@ from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
 from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache
 from pipeline.routing.registry import ROUTER_POLICIES, lookup
 from pipeline.routing.views import RackView
-from streams import keys
+from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers import metrics
 from workers.cluster_view import ClusterView
 from workers.etcd_store import NodeRegistry
 from workers.results import ResultWriter
@@ -59,6 +60,7 @@ class Router:
             retention_ms=retention_ms,
         )
         self.routed = 0
+        self.serving = {m: config.racks_serving(m) for m in config.models}
 
     async def _racks(self) -> dict[str, RackView]:
         return self.view.rack_views(WALL.now_ms())
@@ -66,47 +68,62 @@ class Router:
     async def _on_requests(self, deliveries: list[Delivery]) -> None:
         now = WALL.now_ms()
         racks = await self._racks()
-        extra: dict[str, float] = {}
-        out: list[tuple[str, object]] = []
+        views = dict(racks)
+        seen = dict(racks)  # what the policy saw before the first request of this batch (for the decision)
+        out: list[tuple[str, dict[bytes, bytes]]] = []
         errors: list[ResultEvent] = []
+        ids: list[str] = []
+        choices: list[str] = []
+        walked: dict[str, float] = {}
         waited = 0.0
+        rule = self.config.policies.router.prefix_cache_rule
         for d in deliveries:
             req = d.event
             if not isinstance(req, RequestEvent):
                 raise TypeError(f"expected a request on {d.stream}, got {type(req).__name__}")
-            if not self.config.racks_serving(req.model):
+            if not self.serving.get(req.model):
                 errors.append(error_result(req, f"model {req.model!r} is not served by any rack; served: "
                                                 f"{', '.join(self.policy.models())}"))
                 continue
             while True:
-                views = {k: dataclasses.replace(v, load=v.load + extra.get(k, 0.0)) for k, v in racks.items()}
                 decision = self.policy.route(req.user_id, req.model, views)
                 if decision.rack is not None or waited >= self.no_rack_wait_s:
                     break
                 await asyncio.sleep(0.2)  # no healthy rack yet (cluster starting, or every rack down)
                 waited += 0.2
                 await self.view.refresh(with_backlog=True)
-                racks = await self._racks()
+                views = dict(await self._racks())
+                seen = dict(views)
             if decision.rack is None:
                 errors.append(error_result(req, f"no healthy rack serves model {req.model!r}; retry later"))
                 continue
-            extra[decision.rack] = extra.get(decision.rack, 0.0) + 1.0
-            rule = self.config.policies.router.prefix_cache_rule
+            rack = decision.rack
+            views[rack] = dataclasses.replace(views[rack], load=views[rack].load + 1.0)
+            kept = rack == decision.primary
+            metrics.ROUTED.labels(rack, "kept" if kept else "walked").inc()
             prefix_cache = keeps_prefix_cache(rule.enabled, rule.min_tokens, req.in_tokens, decision, req.prefix_cache)
-            routed = dataclasses.replace(req, rack=decision.rack, routed_ms=now, prefix_cache=prefix_cache)
-            out.append((keys.rack_requests(decision.rack), routed))
-            scores = {f"load:{k}": v.load for k, v in views.items()}
-            scores.update({f"healthy:{k}": float(v.healthy) for k, v in views.items()})
-            scores["affinity_kept"] = float(decision.rack == decision.primary)
-            scores["prefix_cache"] = float(prefix_cache)
-            out.append((keys.DECISIONS, DecisionEvent(
-                kind="route", policy=self.policy.name, choice=decision.rack, request_ids=(req.request_id,),
-                ts_ms=now, scores=scores, draw=-1.0,
-            )))
-        await self.producer.add_many(out)  # type: ignore[arg-type]
+            # forward the entry as it came, with the router's fields as an overlay: no re-encoding of the request
+            changes: dict[str, object] = {"rack": rack, "routed_ms": now}
+            if prefix_cache != req.prefix_cache:
+                changes["prefix_cache"] = prefix_cache
+            out.append((keys.rack_requests(rack), codec.with_overlay(d.fields, **changes)))
+            ids.append(req.request_id)
+            choices.append(rack)
+            if not kept:
+                walked[f"walked:{req.request_id}"] = 1.0
+        if ids:
+            scores = {f"load:{k}": v.load for k, v in seen.items()}
+            scores.update({f"healthy:{k}": float(v.healthy) for k, v in seen.items()})
+            scores.update(walked)
+            decision_ev = DecisionEvent(
+                kind="route", policy=self.policy.name, choice=choices[0], request_ids=tuple(ids), ts_ms=now,
+                scores=scores, draw=-1.0, choices=tuple(choices),
+            )
+            out.append((keys.DECISIONS, codec.encode(decision_ev)))
+        await self.producer.add_many(out)
         for e in errors:
             await self.results.write(e)
-        self.routed += len(out) // 2
+        self.routed += len(ids)
 
     async def _refresh_loop(self, stop: asyncio.Event) -> None:
         interval = self.config.policies.node_selection.refresh_ms / 1000.0

@@ -15,8 +15,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from pipeline.config import RackflowConfig, load_config
+
+T = TypeVar("T")
 
 
 class WallClock:
@@ -67,4 +70,13 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[int | None]]) 
         rc = await main(stop)
         return int(rc or 0)
 
-    return asyncio.run(runner())
+    return run_async(runner())
+
+
+def run_async(coro: Awaitable[T]) -> T:
+    """asyncio.run on uvloop when it is installed (a faster event loop for the stream roles), else the default."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+        return asyncio.run(coro)
+    return uvloop.run(coro)

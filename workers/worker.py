@@ -21,6 +21,7 @@ from pipeline.costmodel import CalibratedCostModel
 from pipeline.events import BatchEvent, HealthEvent, RequestEvent, ResultEvent, TokenEvent
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers import metrics
 from workers.engines import Engine, StepOutput
 from workers.engines.sim import SimEngine
 from workers.etcd_store import NodeRegistry
@@ -48,8 +49,20 @@ def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
             kv_capacity_kb=config.node_mem_budget_kb(node),
             max_running=config.policies.worker.max_running,
             now_ms=WALL.now_ms,
+            zero_time=config.policies.worker.zero_time,
         )
-    raise ValueError(f"engine {engine!r} not available; available: sim")
+    if engine == "torch":
+        # imported here: torch and transformers load only in workers that run this engine
+        from workers.engines.torch_engine import TorchEngine
+
+        tc = config.policies.worker.torch
+        spec = config.models.get(tc.model)
+        if spec is None and not tc.checkpoint:
+            raise ValueError(
+                f"policies.worker.torch.model: unknown model {tc.model!r}; allowed: {', '.join(sorted(config.models))}"
+            )
+        return TorchEngine(tc, spec, now_ms=WALL.now_ms)
+    raise ValueError(f"engine {engine!r} not available; available: sim, torch")
 
 
 class Worker:
@@ -88,9 +101,16 @@ class Worker:
         )
         self.live: dict[str, _Live] = {}
         self.batch_left: dict[str, set[str]] = {}
+        self.entries_of: dict[str, set[str]] = {}
+        """request id -> batch entries waiting for it (a request may come in two deliveries of a batch)."""
         self.last_batch_entry = ""
         self._wake = asyncio.Event()
         self.completed = 0
+        # metric children bound once (labels() on every step costs more than the increment)
+        self._m_steps = metrics.ENGINE_STEPS.labels(node, engine_name)
+        self._m_tokens = metrics.ENGINE_TOKENS.labels(node, engine_name)
+        self._m_step_ms = metrics.ENGINE_STEP_MS.labels(node)
+        self._m_results = metrics.RESULTS.labels(node, "ok")
 
     # -- intake ------------------------------------------------------------------------------------------------
     async def _on_batches(self, deliveries: list[Delivery]) -> None:
@@ -109,10 +129,12 @@ class Worker:
                     continue  # redelivered batch: this request already has its final result
                 if rid in self.live:
                     left.add(rid)  # already running here from an earlier delivery; finishing it settles both
+                    self.entries_of.setdefault(rid, set()).add(d.id)
                     continue
                 self.live[rid] = _Live(req, batch.batch_id, batch.created_ms, d.id)
                 self.engine.submit(req)
                 left.add(rid)
+                self.entries_of.setdefault(rid, set()).add(d.id)
             if left:
                 self.batch_left[d.id] = left
                 d.defer()
@@ -135,6 +157,9 @@ class Worker:
                     pass
                 continue
             out = await self.engine.step()
+            self._m_steps.inc()
+            self._m_tokens.inc(len(out.tokens))
+            self._m_step_ms.observe(out.step_ms)
             await self._handle_output(out, flush_all=False)
             now = WALL.now_ms()
             if now - last_flush >= flush_ms:
@@ -151,14 +176,15 @@ class Worker:
             live.text.append(t.text)
             if t.index == 0:
                 first.append(t.request_id)
-        if first:  # the first token goes out at once: it is the client's time to first token
-            await self._flush_tokens(only=first)
-        for f in out.finished:
-            live = self.live.get(f.request_id)
-            if live is None:
-                continue
-            await self._flush_tokens(only=[f.request_id])
-            result = ResultEvent(
+        # the first token goes out at once (it is the client's time to first token); a finished sequence's last
+        # tokens go out with its result; everything of this step in one round trip (two with the results)
+        finished = [f for f in out.finished if f.request_id in self.live]
+        now = WALL.now_ms()
+        tokens = self._token_events([*first, *(f.request_id for f in finished)], now)
+        results = []
+        for f in finished:
+            live = self.live.pop(f.request_id)
+            results.append(ResultEvent(
                 request_id=live.req.request_id,
                 version=live.req.version,
                 tenant=live.req.tenant,
@@ -176,41 +202,45 @@ class Worker:
                 batched_ms=live.batched_ms,
                 start_ms=f.start_ms,
                 first_token_ms=f.first_token_ms,
-            )
-            await self.results.write(result)
-            self.completed += 1
-            del self.live[f.request_id]
-            await self._settle(f.request_id)
+                routed_ms=live.req.routed_ms,
+            ))
+        if not tokens and not results:
+            return
+        await self.results.write_many(results, tokens)
+        if results:
+            self._m_results.inc(len(results))
+            self.completed += len(results)
+            await self._settle([r.request_id for r in results])
 
-    async def _settle(self, request_id: str) -> None:
+    async def _settle(self, request_ids: list[str]) -> None:
         acks = []
-        for entry_id, left in list(self.batch_left.items()):
-            left.discard(request_id)
-            if not left:
-                del self.batch_left[entry_id]
-                acks.append(entry_id)
+        for rid in request_ids:
+            for entry_id in self.entries_of.pop(rid, ()):
+                left = self.batch_left.get(entry_id)
+                if left is None:
+                    continue
+                left.discard(rid)
+                if not left:
+                    del self.batch_left[entry_id]
+                    acks.append(entry_id)
         await self.consumer.ack(acks)
 
-    async def _flush_tokens(self, only: list[str] | None = None) -> None:
-        now = WALL.now_ms()
+    def _token_events(self, request_ids: list[str], now: float) -> list[TokenEvent]:
         events = []
-        for rid in only if only is not None else list(self.live):
+        for rid in dict.fromkeys(request_ids):
             live = self.live.get(rid)
             if live is None or not live.pending_tokens:
                 continue
             toks = live.pending_tokens
-            events.append(
-                TokenEvent(
-                    request_id=rid,
-                    version=live.req.version,
-                    index=toks[0][0],
-                    token_ids=tuple(t[1] for t in toks),
-                    texts=tuple(t[2] for t in toks),
-                    ts_ms=now,
-                    node=self.node,
-                )
-            )
+            events.append(TokenEvent(
+                request_id=rid, version=live.req.version, index=toks[0][0], token_ids=tuple(t[1] for t in toks),
+                texts=tuple(t[2] for t in toks), ts_ms=now, node=self.node,
+            ))
             live.pending_tokens = []
+        return events
+
+    async def _flush_tokens(self, only: list[str] | None = None) -> None:
+        events = self._token_events(only if only is not None else list(self.live), WALL.now_ms())
         await self.results.stream_tokens(events)
 
     # -- status ------------------------------------------------------------------------------------------------
@@ -233,6 +263,9 @@ class Worker:
 
     async def publish_status(self) -> None:
         ev = self.health_event()
+        metrics.ENGINE_RUNNING.labels(self.node).set(ev.running)
+        metrics.ENGINE_WAITING.labels(self.node).set(ev.waiting)
+        metrics.KV_USED_KB.labels(self.node).set(ev.kv_used_kb)
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(keys.node_status(self.node), mapping=codec.encode(ev))  # type: ignore[arg-type]
         pipe.xadd(keys.HEALTH, codec.encode(ev), maxlen=100_000, approximate=True)  # type: ignore[arg-type]

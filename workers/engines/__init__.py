@@ -1,4 +1,4 @@
-"""Engines behind one interface: `sim` (cost-model timing), later `torch` (a real small transformer) and `vllm`."""
+"""Engines behind one interface: `sim` (cost-model timing), `torch` (a real small transformer), later `vllm`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ def make_engine(name: str, **kwargs: object) -> Engine:
         from workers.engines.sim import SimEngine
 
         return SimEngine(**kwargs)  # type: ignore[arg-type]
-    raise ValueError(f"engine {name!r} is not available in this build; available: sim")
+    if name == "torch":
+        from workers.engines.torch_engine import TorchEngine
+
+        return TorchEngine(**kwargs)  # type: ignore[arg-type]
+    raise ValueError(f"engine {name!r} is not available in this build; available: sim, torch")
 
 
 __all__ = ["Engine", "EngineStats", "SeqFinished", "StepOutput", "TokenOut", "make_engine"]

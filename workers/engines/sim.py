@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from pipeline.costmodel import IterationCostModel
 from pipeline.events import RequestEvent
+from pipeline.kv.snapshot import KvSnapshot
 from pipeline.routing.hashring import stable_hash64
-from workers.engines.base import EngineStats, SeqFinished, StepOutput, TokenOut
+from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 
 _WORDS = (
     "the of and to in is for on that with as it by at from this be are or an was not which have but can all "
@@ -24,15 +25,23 @@ _WORDS = (
 ).split()
 
 
-def placeholder_token(request_id: str, index: int, vocab: int) -> tuple[int, str]:
-    tid = stable_hash64(f"{request_id}:{index}") % vocab
-    return tid, _WORDS[tid % len(_WORDS)] + " "
+_GOLDEN = 0x9E3779B97F4A7C15
+_WORD_TEXT = tuple(w + " " for w in _WORDS)
+
+
+def placeholder_token(request_id: str, index: int, vocab: int, seed: int | None = None) -> tuple[int, str]:
+    """Deterministic token `index` of a request: a Weyl sequence from a stable hash of the request id (pass the
+    hash as `seed` to skip rehashing it for every token)."""
+    h = stable_hash64(request_id) if seed is None else seed
+    tid = ((h + (index + 1) * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) % vocab
+    return tid, _WORD_TEXT[tid % len(_WORD_TEXT)]
 
 
 @dataclass(slots=True)
 class _Seq:
     req: RequestEvent
     generated: int = 0
+    seed: int = -1
     prefilled: bool = False
     start_ms: float = 0.0
     first_token_ms: float = 0.0
@@ -48,8 +57,11 @@ class SimEngine:
         max_running: int,
         now_ms: Callable[[], float],
         sleep: Callable[[float], object] | None = None,
+        zero_time: bool = False,
     ) -> None:
         self.cost = cost
+        self.zero_time = zero_time
+        """Iterations take no time: the control plane alone is measured (`rackflow bench pipeline`)."""
         self.kv_capacity_kb = kv_capacity_kb
         self.max_running = max_running
         self.now_ms = now_ms
@@ -61,8 +73,45 @@ class SimEngine:
         self.steps = 0
         self.tokens = 0
 
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
     def submit(self, req: RequestEvent) -> None:
         self.waiting.append(_Seq(req))
+
+    def _model_id(self) -> str:
+        return f"sim:{self.cost.model.layers}x{self.cost.model.hidden}"
+
+    def export_kv(self, request_id: str, version: int, remove: bool = False) -> KvSnapshot:
+        """The sim engine holds no real KV: a snapshot carries the position (and token ids) so another sim engine
+        resumes with the same placeholder tokens."""
+        seq = self.running.get(request_id) or next((s for s in self.waiting if s.req.request_id == request_id), None)
+        if seq is None:
+            raise EngineError(f"sim engine holds no sequence {request_id}")
+        vocab = self.cost.model.vocab
+        generated = tuple(placeholder_token(request_id, i, vocab)[0] for i in range(seq.generated))
+        snap = KvSnapshot(
+            seq_id=request_id, version=version, model=self._model_id(), engine="sim",
+            token_ids=generated, prompt_len=seq.req.in_tokens, generated=generated, max_tokens=seq.req.max_tokens,
+            meta={"kv_bytes": (seq.req.in_tokens + seq.generated) * self.cost.model.kv_bytes_per_token,
+                  "start_ms": seq.start_ms, "first_token_ms": seq.first_token_ms},
+        )
+        if remove:
+            self.abort(request_id)
+        return snap
+
+    def import_kv(self, snapshot: KvSnapshot, req: RequestEvent) -> None:
+        if snapshot.engine != "sim" or snapshot.model != self._model_id():
+            raise EngineError(
+                f"snapshot of {snapshot.engine}/{snapshot.model} cannot resume on sim/{self._model_id()}"
+            )
+        seq = _Seq(req, generated=len(snapshot.generated), prefilled=len(snapshot.generated) > 0,
+                   start_ms=float(snapshot.meta.get("start_ms", 0.0)),
+                   first_token_ms=float(snapshot.meta.get("first_token_ms", 0.0)))
+        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -86,7 +135,8 @@ class SimEngine:
             if not fits and self.running:
                 break  # FCFS: wait for memory instead of letting smaller ones overtake forever
             self.waiting.popleft()
-            head.start_ms = now
+            if not head.start_ms:
+                head.start_ms = now
             self.running[head.req.request_id] = head
             self.kv_used_kb += head.req.mem_est_kb
             admitted.append(head)
@@ -101,13 +151,18 @@ class SimEngine:
         step_ms = self.cost.step_ms([s.req.in_tokens for s in new], len(decoding), kv_tokens)
         # Sleep the remainder of the iteration time not already spent on our own bookkeeping.
         spent = (time.perf_counter() - wall0) * 1000.0
-        await self._sleep(max(0.0, step_ms - spent) / 1000.0)  # type: ignore[misc]
+        if self.zero_time:
+            await asyncio.sleep(0)  # yield to the worker's other tasks, take no simulated time
+        else:
+            await self._sleep(max(0.0, step_ms - spent) / 1000.0)  # type: ignore[misc]
         end = self.now_ms()
         tokens: list[TokenOut] = []
         finished: list[SeqFinished] = []
         vocab = self.cost.model.vocab
         for s in [*decoding, *new]:
-            tid, text = placeholder_token(s.req.request_id, s.generated, vocab)
+            if s.seed < 0:
+                s.seed = stable_hash64(s.req.request_id)
+            tid, text = placeholder_token(s.req.request_id, s.generated, vocab, s.seed)
             tokens.append(TokenOut(s.req.request_id, s.generated, tid, text))
             if s.generated == 0:
                 s.first_token_ms = end
