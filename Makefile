@@ -13,7 +13,10 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rackflow needs Python >= 3.11, found " + sys.version' 
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[dev]'
+	# torch first, pinned: the CPU wheel lies on this machine kind's disk; resolving it later through transformers
+	# would fetch a multi-GB CUDA build
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev,torch]'
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -288,6 +288,23 @@ class TorchEngineConfig(_Strict):
     """End a sequence when the model emits the end-of-sequence token (else always run to max_tokens)."""
 
 
+class VllmEngineConfig(_Strict):
+    model: str | None = None
+    """Local model directory or Hugging Face id for vLLM (required to run the vllm engine)."""
+    tensor_parallel_size: int | None = Field(default=None, ge=1, le=64)
+    """Default: the node's `tp`."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """vLLM's share of GPU memory for weights + KV cache."""
+    max_model_len: int | None = Field(default=None, ge=16, le=10_000_000)
+    """Context limit (default: the model's)."""
+    enable_prefix_caching: bool = True
+    """vLLM's automatic prefix caching (a request with prefix_cache=false gets its own cache salt)."""
+    kv_connector: Literal["OffloadingConnector", "LMCacheConnectorV1"] | None = "OffloadingConnector"
+    """KV offloading to CPU memory (L1) through vLLM's KV-connector interface; None disables it."""
+    cpu_offload_gb: float = Field(default=16.0, ge=0, le=1e6)
+    """CPU memory for offloaded KV blocks."""
+
+
 class KvTierConfig(_Strict):
     l1_capacity_mb: float = Field(default=1024.0, ge=0, le=1e9)
     """L1: node-local host memory (shared by the node's processes) for KV snapshots; 0 disables L1."""
@@ -314,6 +331,8 @@ class WorkerPolicy(_Strict):
     """Most sequences an engine runs at once."""
     torch: TorchEngineConfig = TorchEngineConfig()
     """The `torch` engine."""
+    vllm: VllmEngineConfig = VllmEngineConfig()
+    """The `vllm` engine."""
 
 
 class StreamsPolicy(_Strict):

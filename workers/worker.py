@@ -19,12 +19,14 @@ from pipeline.batching.ledger import stream_id_key
 from pipeline.config import RackflowConfig
 from pipeline.costmodel import CalibratedCostModel
 from pipeline.events import BatchEvent, HealthEvent, RequestEvent, ResultEvent, TokenEvent
+from pipeline.kv.snapshot import KvSnapshot
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers import metrics
 from workers.engines import Engine, StepOutput
 from workers.engines.sim import SimEngine
 from workers.etcd_store import NodeRegistry
+from workers.kv.manager import KvTierManager
 from workers.results import ResultWriter
 from workers.runtime import WALL, consumer_name
 
@@ -62,7 +64,20 @@ def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
                 f"policies.worker.torch.model: unknown model {tc.model!r}; allowed: {', '.join(sorted(config.models))}"
             )
         return TorchEngine(tc, spec, now_ms=WALL.now_ms)
-    raise ValueError(f"engine {engine!r} not available; available: sim, torch")
+    if engine == "vllm":
+        from workers.engines.vllm_engine import VllmEngine
+
+        vc = config.policies.worker.vllm
+        if not vc.model:
+            raise ValueError("policies.worker.vllm.model: set the model directory (or id) vLLM should serve")
+        spec = config.node(node)
+        return VllmEngine(
+            vc.model, WALL.now_ms, tensor_parallel_size=vc.tensor_parallel_size or spec.tp,
+            gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
+            enable_prefix_caching=vc.enable_prefix_caching, cpu_offload_gb=vc.cpu_offload_gb,
+            kv_connector=vc.kv_connector, kv_capacity_kb=config.node_mem_budget_kb(node),
+        )
+    raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
 
 
 class Worker:
@@ -111,6 +126,9 @@ class Worker:
         self._m_tokens = metrics.ENGINE_TOKENS.labels(node, engine_name)
         self._m_step_ms = metrics.ENGINE_STEP_MS.labels(node)
         self._m_results = metrics.RESULTS.labels(node, "ok")
+        # KV tiers of this node (L1 host memory shared by the node's processes, L2 the stream server): where an
+        # engine swaps sequences out when its L0 is full, and where migrations put and find snapshots
+        self.kv = KvTierManager.for_node(config.policies.kv, node, self.r)
 
     # -- intake ------------------------------------------------------------------------------------------------
     async def _on_batches(self, deliveries: list[Delivery]) -> None:
@@ -263,6 +281,7 @@ class Worker:
 
     async def publish_status(self) -> None:
         ev = self.health_event()
+        self._export_tier_metrics()
         metrics.ENGINE_RUNNING.labels(self.node).set(ev.running)
         metrics.ENGINE_WAITING.labels(self.node).set(ev.waiting)
         metrics.KV_USED_KB.labels(self.node).set(ev.kv_used_kb)
@@ -284,7 +303,36 @@ class Worker:
                 pass
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+    def _wire_swap(self) -> None:
+        set_swap = getattr(self.engine, "set_swap", None)
+        if set_swap is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def put(snap: KvSnapshot) -> bool:  # called from the engine's compute thread
+            return bool(asyncio.run_coroutine_threadsafe(self.kv.put(snap), loop).result(timeout=30))
+
+        def get(request_id: str) -> KvSnapshot | None:
+            return asyncio.run_coroutine_threadsafe(self.kv.get(request_id), loop).result(timeout=30)
+
+        set_swap(put, get)
+
+    def _export_tier_metrics(self) -> None:
+        st = self.kv.stats()
+        for tier in self.kv.tiers:
+            for name, table in (("hits", st.hits), ("misses", st.misses), ("entries", st.entries),
+                                ("bytes", st.bytes)):
+                metrics.KV_TIER.labels(self.node, tier, name).set(table.get(tier, 0))
+        for name in ("bytes_moved", "demotions", "promotions", "drops", "refused_stale"):
+            metrics.KV_TIER.labels(self.node, "all", name).set(getattr(st, name))
+
     async def run(self, stop: asyncio.Event) -> int:
+        await self.engine.start()
+        try:
+            await self.kv.rebuild()
+        except Exception as e:  # a tier that cannot be read must not keep the node out of service
+            log.warning("node %s: KV tiers could not be rebuilt: %s", self.node, e)
+        self._wire_swap()
         await self.registry.register(
             self.node, {"rack": self.rack, "engine": self.engine_name, "pid": os.getpid(), "since": WALL.now_ms()}
         )
@@ -320,6 +368,7 @@ class Worker:
             t.cancel()
         await asyncio.gather(*tasks, stopper, return_exceptions=True)
         await self.consumer.close()
+        await self.engine.stop()
         await self.registry.close()
         await self.r.aclose()
         log.info("worker %s stopped (%d completed)", self.node, self.completed)

@@ -1,4 +1,4 @@
-"""Engines behind one interface: `sim` (cost-model timing), `torch` (a real small transformer), later `vllm`."""
+"""Engines behind one interface: `sim` (cost-model timing), `torch` (a real small transformer), `vllm` (GPU)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ def make_engine(name: str, **kwargs: object) -> Engine:
         from workers.engines.torch_engine import TorchEngine
 
         return TorchEngine(**kwargs)  # type: ignore[arg-type]
-    raise ValueError(f"engine {name!r} is not available in this build; available: sim, torch")
+    if name == "vllm":
+        from workers.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(**kwargs)  # type: ignore[arg-type]
+    raise ValueError(f"engine {name!r} is not available in this build; available: sim, torch, vllm")
 
 
 __all__ = ["Engine", "EngineStats", "SeqFinished", "StepOutput", "TokenOut", "make_engine"]
