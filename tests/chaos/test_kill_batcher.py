@@ -15,6 +15,24 @@ from workers.launcher import ClusterProcesses, wait_cluster_ready
 pytestmark = pytest.mark.integration
 
 
+async def _pending_by_pid(url: str, racks: tuple[str, ...]) -> dict[int, int]:
+    """Pending (delivered, unacknowledged) rack-stream entries per batcher process id."""
+    import redis.asyncio as aioredis
+
+    from streams import keys
+
+    r = aioredis.Redis.from_url(url)
+    out: dict[int, int] = {}
+    try:
+        for rack in racks:
+            for c in await r.xinfo_consumers(keys.rack_requests(rack), keys.GROUP_BATCHER):
+                pid = int(c["name"].decode().rsplit(":", 1)[1])
+                out[pid] = out.get(pid, 0) + int(c["pending"])
+    finally:
+        await r.aclose()
+    return out
+
+
 def test_sigkill_one_of_two_batchers_loses_nothing(clean_services, config_file, tmp_path):  # type: ignore[no-untyped-def]
     override = json.loads(json.dumps(harness.SMALL_CLUSTER))
     # long windows so requests sit in the victim's window when it dies; two batchers per rack
@@ -31,7 +49,9 @@ def test_sigkill_one_of_two_batchers_loses_nothing(clean_services, config_file, 
         assert len(batchers) == 4
         sent = asyncio.run(harness.submit(config, url, harness.inputs(120, seed=3)))
         time.sleep(0.8)  # inside the 3 s window: the requests are held, unacknowledged, by the batchers
-        victim = next(p for p in batchers if p.name == "batcher-r0")
+        holding = asyncio.run(_pending_by_pid(url, config.rack_names()))
+        victim = next(p for p in batchers if holding.get(p.proc.pid, 0) > 0)
+        held = holding[victim.proc.pid]
         victim.proc.kill()
         victim.proc.wait()
         got, counts = asyncio.run(harness.wait_results(url, {r.request_id for r in sent}, timeout_s=90))
@@ -43,4 +63,5 @@ def test_sigkill_one_of_two_batchers_loses_nothing(clean_services, config_file, 
     assert len(got) == 120, f"{120 - len(got)} requests lost"
     assert all(c == 1 for c in counts.values())
     assert all(e.status == "ok" for e in got.values())
+    assert held > 0
     assert claimed, "the surviving batcher of the rack never claimed the dead one's entries"
