@@ -149,6 +149,12 @@ class HealthEvent:
     waiting: int = 0
     last_batch_entry: str = ""
     """Stream id of the last batch entry the worker admitted (batchers release their reservations up to it)."""
+    pcie_tx_mb_s: float = 0.0
+    pcie_rx_mb_s: float = 0.0
+    throttle_reasons: int = 0
+    """NVML clocks-throttle-reason bit mask (0: not throttled)."""
+    gpus: int = 0
+    """GPUs the sample covers (a node is one engine instance, possibly tensor-parallel over several)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,9 +177,42 @@ class DecisionEvent:
     `request_ids`; `scores` is then what the policy saw before the first of them."""
 
 
-Event = RequestEvent | BatchEvent | TokenEvent | ResultEvent | HealthEvent | DecisionEvent
+@dataclass(frozen=True, slots=True)
+class ResumeEvent:
+    """A live sequence moved to this node (failover): continue it from `generated`, at `request.version`."""
+
+    TYPE: ClassVar[str] = "resume"
+    request: RequestEvent
+    """The request, with the version the new owner runs it under."""
+    generated: tuple[int, ...]
+    """Token ids the client has already received (the new owner continues after them)."""
+    texts: tuple[str, ...]
+    src: str
+    """The node it moved from."""
+    first_token_ms: float = 0.0
+    start_ms: float = 0.0
+    snapshot_version: int = 0
+    """The version of a KV snapshot in the tiers to import (0: none, re-prefill prompt + generated)."""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseEvent:
+    """Control message to a node: stop running `seq_id` (it is being moved away at `version`), export what it has
+    to the KV tiers, and confirm by setting the release marker."""
+
+    TYPE: ClassVar[str] = "release"
+    seq_id: str
+    version: int
+    dst: str
+    ts_ms: float
+
+
+Event = (RequestEvent | BatchEvent | TokenEvent | ResultEvent | HealthEvent | DecisionEvent | ResumeEvent
+         | ReleaseEvent)
 EVENT_TYPES: dict[str, type[Any]] = {
-    cls.TYPE: cls for cls in (RequestEvent, BatchEvent, TokenEvent, ResultEvent, HealthEvent, DecisionEvent)
+    cls.TYPE: cls for cls in (RequestEvent, BatchEvent, TokenEvent, ResultEvent, HealthEvent, DecisionEvent,
+                              ResumeEvent, ReleaseEvent)
 }
 E = TypeVar("E")
 
@@ -186,6 +225,8 @@ def to_wire(event: Any) -> dict[str, Any]:
             v = [to_wire(x) if dataclasses.is_dataclass(x) else x for x in v]
         elif isinstance(v, dict):
             v = dict(v)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            v = to_wire(v)
         out[f.name] = v
     return out
 

@@ -31,7 +31,24 @@ def node_batches(node: str) -> str:
 
 
 def node_status(node: str) -> str:
+    """The worker's live status (engine load, free KV): a HealthEvent written by the worker."""
     return f"rf:node:{{{node}}}:status"
+
+
+def node_gpu(node: str) -> str:
+    """The health agent's last GPU sample of the node: a HealthEvent written by the agent (NVML or sim)."""
+    return f"rf:node:{{{node}}}:gpu"
+
+
+def node_faults(node: str) -> str:
+    """Injected faults of a simulated node (`rackflow fault inject`): kind -> JSON {until_ms, factor, id}."""
+    return f"rf:node:{{{node}}}:faults"
+
+
+def node_control(node: str) -> str:
+    """Control messages to a node's worker (release a sequence being migrated away)."""
+    return f"rf:node:{{{node}}}:ctl"
+
 
 
 def request_out(request_id: str) -> str:
@@ -45,12 +62,37 @@ def result_done(request_id: str) -> str:
 # etcd keys
 ETCD_PREFIX = "/rackflow/"
 ETCD_NODES = "/rackflow/nodes/"
+ETCD_ADMIN = "/rackflow/admin/"
+ETCD_HEARTBEAT = "/rackflow/heartbeat/"
+ETCD_SEQ = "/rackflow/seq/"
+ETCD_MONITOR_LEADER = "/rackflow/monitor/leader"
 
 
 def etcd_node(node: str) -> str:
+    """A worker's registration (its lease): state active|draining as the worker sees itself."""
     return f"{ETCD_NODES}{node}"
+
+
+def etcd_admin(node: str) -> str:
+    """The monitor's verdict on a node: draining|dead (no lease; cleared when the node recovers)."""
+    return f"{ETCD_ADMIN}{node}"
+
+
+def etcd_heartbeat(node: str) -> str:
+    """The health agent's heartbeat under a short lease."""
+    return f"{ETCD_HEARTBEAT}{node}"
+
+
+def etcd_seq(seq_id: str) -> str:
+    """Ownership record of a live sequence: owner node, version, rack, last_update_ts."""
+    return f"{ETCD_SEQ}{seq_id}"
 
 
 def user_out_ewma(tenant: str, user_id: str) -> str:
     """A user's output-length EWMA (profiling's output estimate), per tenant."""
     return f"rf:user:{{{tenant}:{user_id}}}:out_ewma"
+
+
+def seq_released(seq_id: str, version: int) -> str:
+    """Set by the old owner once it has stopped a sequence being moved to `version` (and exported its KV)."""
+    return f"rf:seq:{{{seq_id}}}:released:{version}"

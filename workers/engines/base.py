@@ -81,6 +81,13 @@ class Engine(Protocol):
 
     def import_kv(self, snapshot: KvSnapshot, req: RequestEvent) -> None: ...
 
+    def resume_snapshot(
+        self, req: RequestEvent, generated: tuple[int, ...], start_ms: float = 0.0, first_token_ms: float = 0.0
+    ) -> KvSnapshot:
+        """A snapshot without KV for a sequence moved here whose KV is not in the tiers: importing it re-prefills
+        prompt + `generated` and continues after them."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     async def stop(self) -> None: ...

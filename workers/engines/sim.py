@@ -62,6 +62,8 @@ class SimEngine:
         self.cost = cost
         self.zero_time = zero_time
         """Iterations take no time: the control plane alone is measured (`rackflow bench pipeline`)."""
+        self.slow_factor = 1.0
+        """An injected `slow` fault: iterations take this many times longer."""
         self.kv_capacity_kb = kv_capacity_kb
         self.max_running = max_running
         self.now_ms = now_ms
@@ -102,6 +104,16 @@ class SimEngine:
         if remove:
             self.abort(request_id)
         return snap
+
+    def resume_snapshot(
+        self, req: RequestEvent, generated: tuple[int, ...], start_ms: float = 0.0, first_token_ms: float = 0.0
+    ) -> KvSnapshot:
+        """A snapshot for a sequence that moved here without KV: it continues at token len(generated)."""
+        return KvSnapshot(
+            seq_id=req.request_id, version=req.version, model=self._model_id(), engine="sim",
+            token_ids=tuple(generated), prompt_len=req.in_tokens, generated=tuple(generated),
+            max_tokens=req.max_tokens, meta={"start_ms": start_ms, "first_token_ms": first_token_ms},
+        )
 
     def import_kv(self, snapshot: KvSnapshot, req: RequestEvent) -> None:
         if snapshot.engine != "sim" or snapshot.model != self._model_id():
@@ -148,7 +160,7 @@ class SimEngine:
         new = self._admit(t0)
         decoding = [s for s in self.running.values() if s.prefilled]
         kv_tokens = sum(s.req.in_tokens + s.generated for s in decoding)
-        step_ms = self.cost.step_ms([s.req.in_tokens for s in new], len(decoding), kv_tokens)
+        step_ms = self.cost.step_ms([s.req.in_tokens for s in new], len(decoding), kv_tokens) * self.slow_factor
         # Sleep the remainder of the iteration time not already spent on our own bookkeeping.
         spent = (time.perf_counter() - wall0) * 1000.0
         if self.zero_time:

@@ -135,6 +135,9 @@ class TorchEngine:
     """The Engine protocol on a real transformer (see the module docstring for the iteration and its guarantees)."""
 
     name = ENGINE
+    kv_in_estimate_units = False
+    """Its KV figures are the stand-in model's real bytes, not the served model's estimates the batcher budgets
+    with: the worker reports the node's budget and its sequences' estimates instead (`Worker.health_event`)."""
 
     def __init__(
         self,
@@ -465,6 +468,19 @@ class TorchEngine:
             off += step
             kv.append((k, v))
         return kv
+
+    def resume_snapshot(
+        self, req: RequestEvent, generated: tuple[int, ...], start_ms: float = 0.0, first_token_ms: float = 0.0
+    ) -> KvSnapshot:
+        """A snapshot without KV for a sequence that moved here with no usable KV: importing it re-prefills the
+        prompt + the tokens the client already has, then generation continues after them."""
+        prompt = self.prompt_ids(req)
+        return KvSnapshot(
+            seq_id=req.request_id, version=req.version, model=self.model_id, engine=ENGINE,
+            token_ids=(*prompt, *generated), prompt_len=len(prompt), generated=tuple(generated),
+            max_tokens=req.max_tokens, data=b"",
+            meta={"kv_tokens": 0, "start_ms": start_ms, "first_token_ms": first_token_ms},
+        )
 
     def import_kv(self, snapshot: KvSnapshot, req: RequestEvent) -> None:
         """Resume a sequence from a snapshot: it continues with exactly the tokens an uninterrupted greedy run on the

@@ -207,6 +207,17 @@ class VllmEngine:
             self.abort(request_id)
         return snap
 
+    def resume_snapshot(
+        self, req: RequestEvent, generated: tuple[int, ...], start_ms: float = 0.0, first_token_ms: float = 0.0
+    ) -> KvSnapshot:
+        prompt = self._prompt_ids(req)
+        return KvSnapshot(
+            seq_id=req.request_id, version=req.version, model=f"vllm:{self.model}", engine="vllm",
+            token_ids=(*prompt, *generated), prompt_len=len(prompt), generated=tuple(generated),
+            max_tokens=req.max_tokens,
+            meta={"start_ms": start_ms, "first_token_ms": first_token_ms, "kv": "re-prefill"},
+        )
+
     def import_kv(self, snapshot: KvSnapshot, req: RequestEvent) -> None:
         if snapshot.engine not in ("vllm", "sim") or (snapshot.engine == "vllm" and
                                                        snapshot.model != f"vllm:{self.model}"):
