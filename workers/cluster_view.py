@@ -24,24 +24,47 @@ log = logging.getLogger(__name__)
 
 
 def node_view_from_status(
-    name: str, status: HealthEvent | None, registered: Mapping[str, object] | None, now_ms: float, stale_ms: float
+    name: str,
+    status: HealthEvent | None,
+    registered: Mapping[str, object] | None,
+    now_ms: float,
+    stale_ms: float,
+    gpu: HealthEvent | None = None,
+    admin: Mapping[str, object] | None = None,
 ) -> NodeView:
+    """A node is active when its worker's lease is alive with state active, no monitor verdict (draining/dead)
+    stands against it, and its status is fresh. GPU memory and PCIe come from the health agent when one reports
+    (NVML sees what the engine's bookkeeping cannot), else from the worker."""
     state = registered.get("state") if registered else None
     if status is None:
         return NodeView(name, False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
     fresh = now_ms - status.ts_ms <= stale_ms
+    verdict = admin.get("state") if admin else None
+    agent = gpu is not None and now_ms - gpu.ts_ms <= stale_ms and gpu.gpu_mem_total_gb > 0
     return NodeView(
         name=name,
-        active=bool(state == "active" and fresh),
-        vram_total_gb=status.gpu_mem_total_gb,
-        free_vram_gb=status.gpu_mem_free_gb,
-        pcie_util_pct=status.pcie_util_pct,
+        active=bool(state == "active" and fresh and verdict not in ("draining", "dead")),
+        vram_total_gb=gpu.gpu_mem_total_gb if agent and gpu else status.gpu_mem_total_gb,
+        free_vram_gb=_free_gb(status, gpu if agent else None),
+        pcie_util_pct=gpu.pcie_util_pct if agent and gpu else status.pcie_util_pct,
         avg_latency_ms=status.avg_latency_ms,
         kv_capacity_kb=status.kv_capacity_kb,
         kv_free_kb=max(0.0, status.kv_capacity_kb - status.kv_used_kb),
         running=status.running,
         waiting=status.waiting,
     )
+
+
+def _free_gb(status: HealthEvent, gpu: HealthEvent | None) -> float:
+    """Free GPU memory: the agent's (NVML) figure, but never more than the engine's own bookkeeping leaves free,
+    compared as fractions of each one's total (an engine may account a different total than the device has, e.g.
+    the CPU `torch` engine next to a modelled GPU)."""
+    if gpu is None:
+        return status.gpu_mem_free_gb
+    if status.gpu_mem_total_gb <= 0:
+        return gpu.gpu_mem_free_gb
+    engine_frac = max(0.0, min(1.0, status.gpu_mem_free_gb / status.gpu_mem_total_gb))
+    return min(gpu.gpu_mem_free_gb, gpu.gpu_mem_total_gb * engine_frac)
 
 
 @dataclass
@@ -51,29 +74,34 @@ class ClusterView:
     registry: NodeRegistry
     stale_ms: float = 3000.0
     statuses: dict[str, HealthEvent] = field(default_factory=dict)
+    gpus: dict[str, HealthEvent] = field(default_factory=dict)
     registered: dict[str, dict[str, object]] = field(default_factory=dict)
+    admin: dict[str, dict[str, object]] = field(default_factory=dict)
     rack_backlog: dict[str, int] = field(default_factory=dict)
 
     async def refresh(self, racks: tuple[str, ...] | None = None, with_backlog: bool = False) -> None:
         try:
             self.registered = await self.registry.nodes()
+            self.admin = await self.registry.admin()
         except EtcdStoreError as e:
             log.warning("node registry unavailable, keeping the last view: %s", e)
         names = [n.name for n in self.config.nodes()]
         pipe = self.r.pipeline(transaction=False)
         for n in names:
             pipe.hgetall(keys.node_status(n))
+            pipe.hgetall(keys.node_gpu(n))
         rows = await pipe.execute()
-        for n, fields in zip(names, rows, strict=True):
-            if not fields:
-                continue
-            try:
-                ev = codec.decode(fields)
-            except DecodeError as e:
-                log.warning("node %s: undecodable status: %s", n, e)
-                continue
-            if isinstance(ev, HealthEvent):
-                self.statuses[n] = ev
+        for i, n in enumerate(names):
+            for fields, table in ((rows[2 * i], self.statuses), (rows[2 * i + 1], self.gpus)):
+                if not fields:
+                    continue
+                try:
+                    ev = codec.decode(fields)
+                except DecodeError as e:
+                    log.warning("node %s: undecodable status: %s", n, e)
+                    continue
+                if isinstance(ev, HealthEvent):
+                    table[n] = ev
         if with_backlog:
             for rack in racks or self.config.rack_names():
                 try:
@@ -94,7 +122,8 @@ class ClusterView:
             for n in r.expanded():
                 out.append(
                     node_view_from_status(
-                        n.name, self.statuses.get(n.name), self.registered.get(n.name), now_ms, self.stale_ms
+                        n.name, self.statuses.get(n.name), self.registered.get(n.name), now_ms, self.stale_ms,
+                        self.gpus.get(n.name), self.admin.get(n.name),
                     )
                 )
         return out

@@ -30,6 +30,8 @@ ENGINE_WAITING = Gauge("rackflow_engine_waiting", "Waiting sequences", ["node"],
 KV_USED_KB = Gauge("rackflow_engine_kv_used_kb", "KV memory in use (KB, batcher accounting)", ["node"],
                    registry=REGISTRY)
 RESULTS = Counter("rackflow_results_total", "Final results written", ["node", "status"], registry=REGISTRY)
+MIGRATIONS = Counter("rackflow_migrations_total", "Sequence moves seen by a worker", ["node", "outcome"],
+                     registry=REGISTRY)
 KV_TIER = Gauge("rackflow_kv_tier", "KV tier statistics", ["node", "tier", "stat"], registry=REGISTRY)
 
 

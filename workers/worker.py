@@ -11,6 +11,7 @@ what it could not finish stays pending in the stream for its successor (XAUTOCLA
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -18,14 +19,15 @@ from dataclasses import dataclass, field
 from pipeline.batching.ledger import stream_id_key
 from pipeline.config import RackflowConfig
 from pipeline.costmodel import CalibratedCostModel
-from pipeline.events import BatchEvent, HealthEvent, RequestEvent, ResultEvent, TokenEvent
+from pipeline.events import BatchEvent, HealthEvent, ReleaseEvent, RequestEvent, ResultEvent, ResumeEvent, TokenEvent
 from pipeline.kv.snapshot import KvSnapshot
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers import metrics
 from workers.engines import Engine, StepOutput
+from workers.engines.base import EngineError
 from workers.engines.sim import SimEngine
-from workers.etcd_store import NodeRegistry
+from workers.etcd_store import NodeRegistry, SeqRecord, SeqRecorder, SequenceRegistry
 from workers.kv.manager import KvTierManager
 from workers.results import ResultWriter
 from workers.runtime import WALL, consumer_name
@@ -41,6 +43,9 @@ class _Live:
     entry_id: str
     pending_tokens: list[tuple[int, int, str]] = field(default_factory=list)  # (index, token_id, text)
     text: list[str] = field(default_factory=list)
+    first_token_ms: float = 0.0
+    """Set for a resumed sequence: when the client got its first token (on the old owner)."""
+    resumed_at: int = 0
 
 
 def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
@@ -129,13 +134,26 @@ class Worker:
         # KV tiers of this node (L1 host memory shared by the node's processes, L2 the stream server): where an
         # engine swaps sequences out when its L0 is full, and where migrations put and find snapshots
         self.kv = KvTierManager.for_node(config.policies.kv, node, self.r)
+        self.seqs = SequenceRegistry(self.registry.client)
+        self.recorder = SeqRecorder(self.seqs)
+        self.control = StreamConsumer(
+            self.r, keys.node_control(node), keys.GROUP_WORKER, consumer_name(f"worker-{node}"), self._on_control,
+            now_ms=WALL.now_ms, count=64, block_ms=sp.block_ms, claim_idle_ms=sp.claim_idle_ms,
+            max_deliveries=sp.max_deliveries, retention_ms=self.retention_ms,
+        )
 
     # -- intake ------------------------------------------------------------------------------------------------
     async def _on_batches(self, deliveries: list[Delivery]) -> None:
+        now = WALL.now_ms()
+        claims: list[SeqRecord] = []
         for d in deliveries:
-            batch = d.event
-            if not isinstance(batch, BatchEvent):
-                raise TypeError(f"expected a batch on {d.stream}, got {type(batch).__name__}")
+            ev = d.event
+            if isinstance(ev, ResumeEvent):
+                await self._on_resume(d, ev, claims, now)
+                continue
+            if not isinstance(ev, BatchEvent):
+                raise TypeError(f"expected a batch on {d.stream}, got {type(ev).__name__}")
+            batch = ev
             if batch.node != self.node:
                 log.warning("batch %s addressed to %s arrived at %s", batch.batch_id, batch.node, self.node)
             ids = [r.request_id for r in batch.requests]
@@ -145,20 +163,109 @@ class Worker:
                 rid = req.request_id
                 if rid in done:
                     continue  # redelivered batch: this request already has its final result
-                if rid in self.live:
-                    left.add(rid)  # already running here from an earlier delivery; finishing it settles both
-                    self.entries_of.setdefault(rid, set()).add(d.id)
+                live = self.live.get(rid)
+                if live is not None:
+                    if live.req.version >= req.version:
+                        left.add(rid)  # already running here from an earlier delivery; finishing it settles both
+                        self.entries_of.setdefault(rid, set()).add(d.id)
                     continue
                 self.live[rid] = _Live(req, batch.batch_id, batch.created_ms, d.id)
                 self.engine.submit(req)
                 left.add(rid)
                 self.entries_of.setdefault(rid, set()).add(d.id)
+                claims.append(SeqRecord(rid, self.node, req.version, self.rack, now, d.id))
             if left:
                 self.batch_left[d.id] = left
                 d.defer()
-            if stream_id_key(d.id) > stream_id_key(self.last_batch_entry):
-                self.last_batch_entry = d.id
+            self._advance_last(d.id)
+        self.recorder.claim(claims)
         self._wake.set()
+
+    def _advance_last(self, entry_id: str) -> None:
+        if stream_id_key(entry_id) > stream_id_key(self.last_batch_entry):
+            self.last_batch_entry = entry_id
+
+    async def _on_resume(self, d: Delivery, ev: ResumeEvent, claims: list[SeqRecord], now: float) -> None:
+        """A sequence moved here (failover). The seed's rule against what this node holds: absent -> accept; lower
+        version -> replace; same or higher -> refuse (a duplicate or a conflict, reported)."""
+        req = ev.request
+        rid = req.request_id
+        self._advance_last(d.id)
+        if await self.results.is_done(rid):
+            return  # it finished meanwhile (the old owner got there first): nothing to resume
+        live = self.live.get(rid)
+        if live is not None:
+            if live.req.version >= req.version:
+                metrics.MIGRATIONS.labels(self.node, "refused").inc()
+                log.warning("sequence %s: resume at v%d refused, this node holds v%d", rid, req.version,
+                            live.req.version)
+                return
+            self.engine.abort(rid)  # an older incarnation: the newer version wins
+            self.live.pop(rid, None)
+            await self._settle([rid])
+        snap = None
+        if ev.snapshot_version:
+            try:
+                snap = await self.kv.get(rid)
+            except Exception as e:
+                log.warning("sequence %s: KV snapshot unreadable (%s); re-prefilling", rid, e)
+            if snap is not None and (snap.version != ev.snapshot_version or len(snap.generated) < len(ev.generated)):
+                snap = None
+        try:
+            if snap is not None:
+                try:
+                    self.engine.import_kv(snap, req)
+                except EngineError as e:
+                    log.warning("sequence %s: snapshot not usable here (%s); re-prefilling", rid, e)
+                    snap = None
+            if snap is None:
+                self.engine.import_kv(
+                    self.engine.resume_snapshot(req, ev.generated, ev.start_ms, ev.first_token_ms), req)
+        except EngineError as e:
+            log.error("sequence %s: cannot resume here: %s", rid, e)
+            metrics.MIGRATIONS.labels(self.node, "failed").inc()
+            return
+        live = _Live(req, f"resume:{ev.src}", now, d.id, text=list(ev.texts))
+        live.first_token_ms = ev.first_token_ms
+        live.resumed_at = len(ev.generated)
+        self.live[rid] = live
+        self.batch_left[d.id] = {rid}
+        self.entries_of.setdefault(rid, set()).add(d.id)
+        d.defer()
+        claims.append(SeqRecord(rid, self.node, req.version, self.rack, now, d.id))
+        metrics.MIGRATIONS.labels(self.node, "resumed_kv" if snap is not None else "resumed_prefill").inc()
+        log.info("sequence %s resumed at v%d after %d tokens (%s) from %s", rid, req.version, len(ev.generated),
+                 "KV snapshot" if snap is not None else "re-prefill", ev.src)
+
+    async def _on_control(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            ev = d.event
+            if not isinstance(ev, ReleaseEvent):
+                raise TypeError(f"expected a control message on {d.stream}, got {type(ev).__name__}")
+            await self._release(ev)
+
+    async def _release(self, ev: ReleaseEvent) -> None:
+        """Stop a sequence that is being moved away: its tokens so far go out, its KV goes to the tiers at the new
+        version, it leaves this engine without a result, and the release marker tells the mover to go on."""
+        rid = ev.seq_id
+        live = self.live.get(rid)
+        exported = False
+        if live is not None and live.req.version < ev.version:
+            await self._flush_tokens(only=[rid])
+            try:
+                snap = self.engine.export_kv(rid, ev.version, remove=True)
+                # L2: the new owner is another node, and L1 is this node's own host memory
+                exported = await self.kv.put(snap, tier="L2")
+            except Exception as e:  # the move still goes on: the new owner re-prefills
+                log.warning("sequence %s: KV export on release failed: %s", rid, e)
+                self.engine.abort(rid)
+            self.live.pop(rid, None)
+            await self._settle([rid])
+            self.recorder.release([])  # the record now belongs to the new owner: never delete it from here
+            metrics.MIGRATIONS.labels(self.node, "released").inc()
+            log.info("sequence %s released to %s at v%d (KV %s)", rid, ev.dst, ev.version,
+                     "exported" if exported else "not exported")
+        await self.r.set(keys.seq_released(rid, ev.version), b"kv" if exported else b"none", ex=3600)
 
     # -- engine loop -------------------------------------------------------------------------------------------
     async def _engine_loop(self, stop: asyncio.Event) -> None:
@@ -219,13 +326,14 @@ class Worker:
                 text="".join(live.text),
                 batched_ms=live.batched_ms,
                 start_ms=f.start_ms,
-                first_token_ms=f.first_token_ms,
+                first_token_ms=live.first_token_ms or f.first_token_ms,
                 routed_ms=live.req.routed_ms,
             ))
         if not tokens and not results:
             return
         await self.results.write_many(results, tokens)
         if results:
+            self.recorder.release([r.request_id for r in results])
             self._m_results.inc(len(results))
             self.completed += len(results)
             await self._settle([r.request_id for r in results])
@@ -264,6 +372,13 @@ class Worker:
     # -- status ------------------------------------------------------------------------------------------------
     def health_event(self) -> HealthEvent:
         s = self.engine.stats()
+        kv_capacity_kb, kv_used_kb = s.kv_capacity_kb, s.kv_used_kb
+        if not getattr(self.engine, "kv_in_estimate_units", True):
+            # The batcher budgets in the served model's memory estimates (mem_est_kb); an engine that counts other
+            # bytes (the CPU torch stand-in: a tiny model's real KV, swapped to L1/L2 beyond its L0) is reported in
+            # those units, so a request the node's budget holds is never held back by the stand-in's byte count.
+            kv_capacity_kb = self.config.node_mem_budget_kb(self.node)
+            kv_used_kb = sum(live.req.mem_est_kb for live in self.live.values())
         return HealthEvent(
             node=self.node,
             rack=self.rack,
@@ -271,8 +386,8 @@ class Worker:
             source="worker",
             gpu_mem_total_gb=s.gpu_mem_total_gb,
             gpu_mem_free_gb=s.gpu_mem_free_gb,
-            kv_capacity_kb=s.kv_capacity_kb,
-            kv_used_kb=s.kv_used_kb,
+            kv_capacity_kb=kv_capacity_kb,
+            kv_used_kb=kv_used_kb,
             avg_latency_ms=s.avg_step_ms,
             running=s.running,
             waiting=s.waiting,
@@ -290,10 +405,25 @@ class Worker:
         pipe.xadd(keys.HEALTH, codec.encode(ev), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
         await pipe.execute()
 
+    async def _apply_faults(self) -> None:
+        """An injected `slow` fault (`rackflow fault inject --kind slow`) slows this node's engine down."""
+        raw = await self.r.hget(keys.node_faults(self.node), "slow")
+        factor = 1.0
+        if raw:
+            try:
+                f = json.loads(raw)
+                if float(f.get("until_ms", 0)) > WALL.now_ms():
+                    factor = max(1.0, float(f.get("factor", 1.0)))
+            except (ValueError, TypeError):
+                log.warning("node %s: unreadable slow fault %r", self.node, raw[:80])
+        if hasattr(self.engine, "slow_factor"):
+            self.engine.slow_factor = factor
+
     async def _status_loop(self, stop: asyncio.Event) -> None:
         interval = self.config.policies.worker.status_interval_ms / 1000.0
         while not stop.is_set():
             try:
+                await self._apply_faults()
                 await self.publish_status()
             except Exception as e:
                 log.warning("node %s: status publish failed: %s", self.node, e)
@@ -339,10 +469,12 @@ class Worker:
         engine_stop = asyncio.Event()
         status_stop = asyncio.Event()
         await self.publish_status()
+        self.recorder.start()
         tasks = [
             asyncio.create_task(self.consumer.run(), name="consume"),
             asyncio.create_task(self._engine_loop(engine_stop), name="engine"),
             asyncio.create_task(self._status_loop(status_stop), name="status"),
+            asyncio.create_task(self.control.run(), name="control"),
         ]
         log.info("worker %s (rack %s, engine %s) ready", self.node, self.rack, self.engine_name)
         stopper = asyncio.create_task(stop.wait())
@@ -367,7 +499,10 @@ class Worker:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, stopper, return_exceptions=True)
+        self.control.stop()
         await self.consumer.close()
+        await self.control.close()
+        await self.recorder.close()
         await self.engine.stop()
         await self.registry.close()
         await self.r.aclose()
