@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 RF     := $(VENV)/bin/rackflow
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast lint bench services-up services-down clean
+.PHONY: run test test-fast chaos lint bench services-up services-down clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rackflow needs Python >= 3.11, found " + sys.version' 
@@ -27,6 +27,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+# kill -9 / restart tests only (they are part of `make test` too)
+chaos: $(STAMP)
+	$(PY) -m pytest -q -m chaos tests/chaos
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline streams workers tests

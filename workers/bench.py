@@ -211,7 +211,7 @@ def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8
 def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> int:
     from workers.services import EmbeddedServices
 
-    if args.what in ("pipeline", "batching", "kv"):
+    if args.what in ("pipeline", "batching", "kv", "failover"):
         services = None
         tmp = None
         if endpoints is None:
@@ -230,6 +230,10 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
 
                 res = bench_batching(endpoints[0], endpoints[1], requests=args.requests_batching,
                                      progress=not args.no_progress)
+            elif args.what == "failover":
+                from workers.bench_failover import bench_failover
+
+                res = bench_failover(endpoints[0], endpoints[1], progress=not args.no_progress)
             else:
                 from workers.kv.bench import bench_kv
 

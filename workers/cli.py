@@ -121,6 +121,94 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    from workers.agent import HealthAgent
+
+    gpus: list[int] | None = None
+    if args.gpus is not None:
+        try:
+            gpus = [int(x) for x in args.gpus.split(",") if x.strip()]
+        except ValueError:
+            gpus = []
+        if not gpus or any(i < 0 for i in gpus):
+            print(f"rackflow agent: --gpus {args.gpus!r}: expected NVML indices like 0,1,2,3", file=sys.stderr)
+            return 2
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging(args.log_level, f"agent-{args.node}")
+    try:
+        agent = HealthAgent(config, args.node, args.source, redis_url, etcd_url, gpu_indices=gpus,
+                            revoke_on_stop=not args.keep_heartbeat)
+    except (KeyError, ValueError) as e:  # unknown node, --gpus with --source sim
+        print(f"rackflow agent: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    return run_until_signalled(agent.run)
+
+
+def cmd_fault(args: argparse.Namespace) -> int:
+    from streams.runner import connect
+    from workers import faults
+    from workers.runtime import WALL
+
+    config = _config(args)
+    redis_url, _etcd_url = _endpoints(args)
+    if args.action == "play":
+        if not args.schedule:
+            print("rackflow fault play: --schedule FILE required", file=sys.stderr)
+            return 2
+    elif not args.node:
+        print(f"rackflow fault {args.action}: --node required", file=sys.stderr)
+        return 2
+    if args.action == "inject" and not args.kind:
+        print(f"rackflow fault inject: --kind required ({', '.join(faults.KINDS)})", file=sys.stderr)
+        return 2
+    try:
+        schedule = faults.load_schedule(Path(args.schedule)) if args.action == "play" else []
+        for n in [args.node] if args.node else [s.node for s in schedule]:
+            config.node(n)
+        if args.action == "inject":
+            faults.check(args.kind, args.duration, faults.DEFAULT_FACTOR.get(args.kind, 1.0)
+                         if args.factor is None else args.factor)
+    except KeyError as e:
+        print(f"rackflow fault: {e.args[0]}", file=sys.stderr)
+        return 2
+    except faults.FaultError as e:
+        print(f"rackflow fault: {e}", file=sys.stderr)
+        return 2
+
+    async def go() -> int:
+        r = connect(redis_url)
+        try:
+            if args.action == "inject":
+                f = await faults.inject(r, args.node, args.kind, args.duration, args.factor, now_ms=WALL.now_ms())
+                print(json.dumps({"node": args.node, **f.to_dict()}, sort_keys=True))
+            elif args.action == "clear":
+                print(f"cleared {await faults.clear(r, args.node)} faults of {args.node}")
+            elif args.action == "list":
+                now = WALL.now_ms()
+                for f in sorted((await faults.listing(r, args.node)).values(), key=lambda f: f.kind):
+                    state = "active" if f.active_at(now) else "expired"
+                    print(json.dumps({"node": args.node, **f.to_dict(), "state": state}, sort_keys=True))
+            else:
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, stop.set)
+                n = await faults.play_schedule(r, schedule, stop, WALL.now_ms)
+                print(f"injected {n} of {len(schedule)} scheduled faults")
+        finally:
+            await r.aclose()
+        return 0
+
+    from redis.exceptions import RedisError
+
+    try:
+        return asyncio.run(go())
+    except RedisError as e:
+        print(f"rackflow fault: Redis/Valkey at {redis_url} failed: {e}", file=sys.stderr)
+        return 1
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     from workers.http_gateway import serve
 
@@ -183,14 +271,61 @@ def gateway_auth_available(config: RackflowConfig) -> bool:
     return False
 
 
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from workers.monitor import Monitor
+
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging(args.log_level, "monitor")
+    return run_until_signalled(lambda stop: Monitor(config, redis_url, etcd_url).run(stop))
+
+
+def cmd_celery_worker(args: argparse.Namespace) -> int:
+    from workers.celery_app import worker_main
+
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging(args.log_level, "celery")
+    return worker_main(config, redis_url, etcd_url, args.concurrency, args.queues, args.log_level)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _flower_port(requested: int | None) -> int:
+    """Flower's port: the one asked for (it must be free), else 5555, else any free port (said in the log)."""
+    from workers.services import free_port
+
+    if requested is not None:
+        if not _port_free(requested):
+            raise SystemExit(f"rackflow up: --flower-port {requested} is in use; pick another port or "
+                             "leave it out (5555 or any free port)")
+        return requested
+    if _port_free(5555):
+        return 5555
+    port = free_port()
+    log.info("port 5555 is in use: Flower listens on %d", port)
+    return port
+
+
 class _LocalCluster:
     """Services (unless URLs are given) + role processes, stopped in reverse order."""
 
-    def __init__(self, args: argparse.Namespace, state_dir: Path, with_gateway: bool = False) -> None:
+    def __init__(self, args: argparse.Namespace, state_dir: Path, with_gateway: bool = False,
+                 with_failover: bool = False) -> None:
         from workers.services import EmbeddedServices, resolve_endpoints
 
         self.args = args
         self.config = _config(args)
+        flower = _flower_port(getattr(args, "flower_port", None)) if with_failover else None  # before any start
         self.services: EmbeddedServices | None = None
         ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
         if ep is None:
@@ -205,6 +340,9 @@ class _LocalCluster:
             gateway_port=getattr(args, "gateway_port", None),
             gateway_no_auth=getattr(args, "no_auth", False) or not gateway_auth_available(self.config),
             with_gateway=with_gateway,
+            with_failover=with_failover,
+            agent_source=getattr(args, "agent_source", "sim"),
+            flower_port=flower,
         )
 
     def start(self) -> None:
@@ -224,17 +362,22 @@ class _LocalCluster:
 
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "up")
-    cluster = _LocalCluster(args, STATE_DIR / "up", with_gateway=True)
+    cluster = _LocalCluster(args, STATE_DIR / "up", with_gateway=True, with_failover=not args.no_failover)
     interrupted = []
     signal.signal(signal.SIGTERM, lambda *_: interrupted.append(1))
     try:
         cluster.start()
         n = len(cluster.procs.procs)
+        fo = "" if args.no_failover else (f", {len(cluster.config.nodes())} health agents, monitor, celery worker"
+                                          ", flower")
         print(f"rackflow up: {n} processes (router, {len(cluster.config.rack_names())} batchers, "
-              f"{len(cluster.config.nodes())} workers, gateway); redis {cluster.redis_url} etcd {cluster.etcd_url}")
+              f"{len(cluster.config.nodes())} workers, gateway{fo}); redis {cluster.redis_url} "
+              f"etcd {cluster.etcd_url}")
         procs = cluster.procs
         auth = "OFF (local run: set RACKFLOW_JWT_SECRET to require JWTs)" if procs.gateway_no_auth else "JWT"
         print(f"gateway http://{cluster.config.gateway.host}:{procs.gateway_port}/v1  auth: {auth}", flush=True)
+        if procs.flower_port is not None:
+            print(f"flower  http://127.0.0.1:{procs.flower_port}/  (API enabled for local use)", flush=True)
         print(f"logs in {STATE_DIR / 'up' / 'logs'}; Ctrl-C stops everything")
         while not interrupted:
             dead = cluster.procs.dead()
@@ -383,6 +526,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish live sequences on SIGTERM")
     s.set_defaults(fn=cmd_worker)
 
+    s = sub.add_parser("agent", help="run the health agent of one node (GPU samples to rf:health, etcd heartbeat)")
+    s.add_argument("--node", required=True)
+    s.add_argument("--source", choices=["nvml", "sim"], default="nvml",
+                   help="nvml: the host's GPUs; sim: a model of the node (load + injected faults)")
+    s.add_argument("--gpus", default=None, metavar="0,1,...",
+                   help="NVML indices of the node's GPUs (default: every GPU of the host)")
+    s.add_argument("--keep-heartbeat", action="store_true",
+                   help="on SIGTERM let the heartbeat lease run out instead of revoking it (a supervised restart: "
+                        "a successor takes the heartbeat over without a gap)")
+    s.set_defaults(fn=cmd_agent)
+    s = sub.add_parser("fault", help="inject, list or clear faults of a simulated node (the sim agent acts on them)")
+    s.add_argument("action", choices=["inject", "clear", "list", "play"])
+    s.add_argument("--node", default=None)
+    s.add_argument("--kind", choices=["xid", "overheat", "nvlink-crc", "slow", "kill"], default=None)
+    s.add_argument("--duration", type=float, default=30.0, help="seconds the fault lasts (default 30)")
+    s.add_argument("--factor", type=float, default=None, help="slow: times slower (default 3); nvlink-crc: "
+                   "x 500 errors per sample (default 1)")
+    s.add_argument("--schedule", default=None, metavar="FILE",
+                   help="play: YAML list of {at_s, node, kind, duration_s, factor}")
+    s.set_defaults(fn=cmd_fault)
+
+    s = sub.add_parser("monitor", help="run a failover monitor (one leader at a time through etcd)")
+    s.set_defaults(fn=cmd_monitor)
+    s = sub.add_parser("celery-worker", help="run a Celery worker for the control tasks (and async jobs)")
+    s.add_argument("--concurrency", type=int, default=2)
+    s.add_argument("--queues", default="control,jobs")
+    s.set_defaults(fn=cmd_celery_worker)
+
     s = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
     s.add_argument("--host", default=None, help="bind address (default: gateway.host in config)")
     s.add_argument("--port", type=int, default=None, help="port (default: gateway.port; 0 = any free port)")
@@ -408,6 +579,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", choices=["sim", "torch", "vllm"], default=None)
     s.add_argument("--gateway-port", type=int, default=None, help="default: gateway.port in config")
     s.add_argument("--no-auth", action="store_true", help="run the gateway without JWT auth")
+    s.add_argument("--no-failover", action="store_true", help="no health agents, monitor, Celery worker, Flower")
+    s.add_argument("--agent-source", choices=["sim", "nvml"], default="sim",
+                   help="health agents read NVML (GPU nodes) or model the node (default, laptops)")
+    s.add_argument("--flower-port", type=int, default=None,
+                   help="Flower's port (its API is enabled); default 5555, or a free port when 5555 is taken")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("demo", help="run the local cluster on the Azure conversation trace and report")
@@ -443,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_perf)
 
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
-    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv"])
+    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover"])
     s.add_argument("--requests", type=int, default=20_000, help="pipeline: requests in the flood")
     s.add_argument("--requests-batching", type=int, default=1500, help="batching: trace requests per variant")
     s.add_argument("--no-progress", action="store_true")

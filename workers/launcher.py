@@ -42,6 +42,11 @@ class ClusterProcesses:
     gateway_no_auth: bool = False
     with_gateway: bool = False
     """start() also starts the HTTP gateway (`rackflow up` does; the demo submits in-process)."""
+    with_failover: bool = False
+    """start() also starts a health agent per node, the monitor and a Celery worker (failover)."""
+    agent_source: str = "sim"
+    flower_port: int | None = None
+    """When set (and with_failover), start Flower on this port."""
     procs: list[RoleProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -49,12 +54,13 @@ class ClusterProcesses:
             self.gateway_port = self.config.gateway.port
 
     def _spawn(self, role: str, name: str, extra: list[str]) -> RoleProcess:
+        """Start `python -m workers.cli <role> ...`; the celery role runs `celery-worker`."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         cmd = [
             sys.executable, "-m", "workers.cli", *self.config_args,
             "--redis-url", self.redis_url, "--etcd-url", self.etcd_url, "--log-level", self.log_level,
-            role, *extra,
+            "celery-worker" if role == "celery" else role, *extra,
         ]
         fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
@@ -73,8 +79,43 @@ class ClusterProcesses:
             for k in range(self.config.policies.batcher.consumers_per_rack):
                 self._spawn("batcher", f"batcher-{rack}" + (f"-{k}" if k else ""), ["--rack", rack])
         self._spawn("router", "router", [])
+        if self.with_failover:
+            self.start_failover()
         if self.with_gateway:
             self.start_gateway()
+
+    def start_failover(self) -> None:
+        for node in self.config.nodes():
+            self.start_agent(node.name)
+        self.start_monitor()
+        self.start_celery_worker()
+        if self.flower_port is not None:
+            self.start_flower(self.flower_port)
+
+    def start_agent(self, node: str) -> RoleProcess:
+        return self._spawn("agent", f"agent-{node}", ["--node", node, "--source", self.agent_source])
+
+    def start_monitor(self, name: str = "monitor") -> RoleProcess:
+        return self._spawn("monitor", name, [])
+
+    def start_celery_worker(self, name: str = "celery-worker", concurrency: int = 2) -> RoleProcess:
+        return self._spawn("celery", name, ["--concurrency", str(concurrency)])
+
+    def start_flower(self, port: int) -> RoleProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / "flower.log"
+        cmd = [sys.executable, "-m", "celery", "--broker", self.redis_url, "-A", "workers.celery_app", "flower",
+               f"--port={port}", "--address=127.0.0.1"]
+        env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
+        fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+        try:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env)
+        finally:
+            fh.close()
+        rp = RoleProcess("flower", "flower", proc, log_path)
+        self.procs.append(rp)
+        return rp
 
     def start_gateway(self) -> RoleProcess:
         extra = ["--port", str(self.gateway_port)]
@@ -89,9 +130,10 @@ class ClusterProcesses:
         return [p for p in self.procs if p.proc.poll() is not None]
 
     def stop(self, timeout_s: float = 40.0) -> None:
-        order = {"gateway": 0, "router": 1, "batcher": 2, "worker": 3}
-        for stage in sorted({order.get(p.role, 4) for p in self.procs}):
-            group = [p for p in self.procs if order.get(p.role, 4) == stage and p.proc.poll() is None]
+        order = {"gateway": 0, "monitor": 1, "router": 2, "batcher": 3, "worker": 4, "agent": 5, "celery": 6,
+                 "flower": 7}
+        for stage in sorted({order.get(p.role, 8) for p in self.procs}):
+            group = [p for p in self.procs if order.get(p.role, 8) == stage and p.proc.poll() is None]
             for p in group:
                 try:
                     p.proc.send_signal(signal.SIGTERM)

@@ -87,9 +87,10 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
     e = {k: v for k, v in os.environ.items() if not k.startswith("RACKFLOW_")}
     from workers.services import free_port
 
-    port = free_port()
+    port, flower = free_port(), free_port()
     proc = subprocess.Popen([*RF, "--config", str(override), "--log-level", "WARNING", "up", "--gateway-port",
-                             str(port)], cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(port), "--flower-port", str(flower)],
+                            cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -98,6 +99,7 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         redis_url = m.group(1)
         gw_line = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}/v1" in gw_line and "auth: OFF" in gw_line, gw_line
+        assert f"http://127.0.0.1:{flower}/" in proc.stdout.readline()
         config = harness.small_config(override)
         items = harness.inputs(40, seed=7)
         deadline = time.monotonic() + 60
@@ -122,10 +124,21 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         decided = [f for _e, f in asyncio.run(harness.read_stream(redis_url, "rf:decisions"))
                    if rid.encode() in f[b"d"]]
         assert len(decided) >= 2, "route and dispatch decisions of the curl request are in rf:decisions"
+        # failover roles: Flower's API (unauthenticated for local use) sees the Celery worker that runs drains
+        workers: dict[str, object] = {}
+        for _ in range(60):
+            api = subprocess.run(["curl", "-s", "--max-time", "10", f"http://127.0.0.1:{flower}/api/workers?refresh=1"],
+                                 capture_output=True, text=True, timeout=30).stdout
+            workers = json.loads(api) if api.startswith("{") else {}
+            if workers:
+                break
+            time.sleep(1)
+        assert workers, "Flower lists no Celery worker"
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         servers = json.loads((tmp_path / ".rackflow" / "up" / "services.json").read_text())
-        assert len(children) >= 4 + 2 + 1 + 1  # workers, batchers, router, gateway (services: own session)
+        # workers + agents, batchers, router, gateway, monitor, celery worker, flower (services: own session)
+        assert len(children) >= 2 * 4 + 2 + 1 + 1 + 3
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)

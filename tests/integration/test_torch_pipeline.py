@@ -95,7 +95,8 @@ def test_rackflow_up_with_torch_serves_a_streaming_completion(tmp_path: Path) ->
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RACKFLOW_")}
     proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "--config", str(cfg), "--log-level", "WARNING",
-                             "up", "--engine", "torch", "--gateway-port", str(port)], cwd=tmp_path, env=env,
+                             "up", "--engine", "torch", "--no-failover", "--gateway-port", str(port)],
+                            cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
