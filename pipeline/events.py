@@ -58,6 +58,8 @@ class RequestEvent:
     """Node policy the client asked for (X-Route-Policy); empty: the configured default."""
     prefix_hashes: tuple[int, ...] = ()
     """Chained hashes of the prompt's prefix blocks (63-bit), for prefix-aware placement."""
+    trace: str = ""
+    """W3C `traceparent` of the request's trace when tracing is on (empty: not traced)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,8 @@ class DecisionEvent:
 
     TYPE: ClassVar[str] = "decision"
     kind: str
-    """`route` (request -> rack) or `dispatch` (batch -> node)."""
+    """`route` (request -> rack), `dispatch` (batch -> node), `window` (a batcher's window closed: replay inputs) or
+    `migration` (a live sequence moved)."""
     policy: str
     choice: str
     request_ids: tuple[str, ...]
@@ -175,6 +178,11 @@ class DecisionEvent:
     choices: tuple[str, ...] = ()
     """For a decision over several requests made in order (a router batch): the choice for each of
     `request_ids`; `scores` is then what the policy saw before the first of them."""
+    actor: str = ""
+    """The process instance that decided (a batcher's consumer name): replay runs one policy state per actor."""
+    inputs: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Replay inputs of a `window` record: node views the window saw, requests offered since the last close with
+    their enqueue times, and the random draws the close used (see `pipeline.replay`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +216,22 @@ class ReleaseEvent:
     ts_ms: float
 
 
+@dataclass(frozen=True, slots=True)
+class CancelEvent:
+    """Control message to a node: abort `request_id` (a revoked job, a client that asked to cancel) and write its
+    final result as cancelled."""
+
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str
+    ts_ms: float
+    reason: str = ""
+
+
 Event = (RequestEvent | BatchEvent | TokenEvent | ResultEvent | HealthEvent | DecisionEvent | ResumeEvent
-         | ReleaseEvent)
+         | ReleaseEvent | CancelEvent)
 EVENT_TYPES: dict[str, type[Any]] = {
     cls.TYPE: cls for cls in (RequestEvent, BatchEvent, TokenEvent, ResultEvent, HealthEvent, DecisionEvent,
-                              ResumeEvent, ReleaseEvent)
+                              ResumeEvent, ReleaseEvent, CancelEvent)
 }
 E = TypeVar("E")
 
