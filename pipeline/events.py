@@ -107,7 +107,7 @@ class ResultEvent:
     user_id: str
     model: str
     status: str
-    """`ok` or `error`."""
+    """`ok`, `error`, or `cancelled` (aborted on request: a revoked job; `text` holds what was generated)."""
     node: str
     rack: str
     in_tokens: int
@@ -178,6 +178,8 @@ class DecisionEvent:
     choices: tuple[str, ...] = ()
     """For a decision over several requests made in order (a router batch): the choice for each of
     `request_ids`; `scores` is then what the policy saw before the first of them."""
+    rack: str = ""
+    """The rack of a `dispatch` or `window` decision."""
     actor: str = ""
     """The process instance that decided (a batcher's consumer name): replay runs one policy state per actor."""
     inputs: dict[str, tuple[float, ...]] = field(default_factory=dict)

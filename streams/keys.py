@@ -12,6 +12,8 @@ DECISIONS = "rf:decisions"
 RESULTS = "rf:results"
 HEALTH = "rf:health"
 DLQ = "rf:dlq"
+CONFIG = "rf:config"
+"""The config in force (JSON), written by the router at start; `replay export` records it."""
 
 GROUP_ROUTER = "router"
 GROUP_BATCHER = "batcher"
@@ -57,6 +59,33 @@ def request_out(request_id: str) -> str:
 
 def result_done(request_id: str) -> str:
     return f"{{{RESULTS}}}:done:{request_id}"
+
+
+CANCEL_TTL_S = 24 * 3600
+"""How long a cancellation marker lives (a request still queued after that is run after all)."""
+
+
+def request_cancelled(request_id: str) -> str:
+    """Cancellation marker of a request (a revoked job), set with a TTL of CANCEL_TTL_S by whoever cancels it: a
+    worker that admits the request writes its cancelled result instead of running it. It carries the tag of the
+    final-result marker, so a worker reads both markers of a batch in one MGET, also on Redis Cluster."""
+    return f"{{{RESULTS}}}:cancel:{request_id}"
+
+
+JOB_TTL_S = 24 * 3600
+"""How long an async job's record lives (as long as Celery keeps its results: `result_expires`)."""
+
+
+def job(job_id: str) -> str:
+    """An async job's record (hash: tenant, user, kind task|group, task ids, created_ms, cancelled_ms): who may read
+    or cancel it through the gateway."""
+    return f"rf:job:{{{job_id}}}"
+
+
+def job_admitted(request_id: str) -> str:
+    """Set once a job's task has admitted its request into rf:ingress: a redelivered task waits for the result
+    instead of admitting the request a second time."""
+    return f"rf:job:{{{request_id}}}:admitted"
 
 
 # etcd keys

@@ -4,7 +4,7 @@ the valid ones."""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pipeline.config import NodeSelectionPolicy
@@ -58,12 +58,14 @@ class NodePolicySet:
     """One instance of each policy a rack may use, built lazily, each with its own seeded random source."""
 
     def __init__(self, params: NodeSelectionPolicy, seed: int, scope: str, node_gpus: Mapping[str, str],
-                 block_tokens: int) -> None:
+                 block_tokens: int, rng_factory: Callable[[str, str], random.Random] | None = None) -> None:
         self.params = params
         self.seed = seed
         self.scope = scope
         self.node_gpus = dict(node_gpus)
         self.block_tokens = block_tokens
+        self.rng_factory = rng_factory
+        """(policy name, seed string) -> the policy's random source; replay records or scripts the draws here."""
         self._policies: dict[str, NodePolicy] = {}
 
     @property
@@ -79,7 +81,8 @@ class NodePolicySet:
     def get(self, name: str) -> NodePolicy:
         pol = self._policies.get(name)
         if pol is None:
-            rng = random.Random(f"{self.seed}:{self.scope}:{name}")
+            seed = f"{self.seed}:{self.scope}:{name}"
+            rng = self.rng_factory(name, seed) if self.rng_factory is not None else random.Random(seed)
             pol = make_node_policy(name, self.params, rng, self.node_gpus, self.block_tokens)
             self._policies[name] = pol
         return pol

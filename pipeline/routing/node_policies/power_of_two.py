@@ -25,8 +25,13 @@ class PowerOfTwo:
             return NodeChoice(None)
         if len(views) == 1:
             return NodeChoice(views[0].name, scores={views[0].name: float(outstanding(views[0]))})
+        # two uniform draws pick two distinct nodes (only `random()` is used, so replay can script the draws)
         draw = self.rng.random()
-        a, b = self.rng.sample(range(len(views)), 2)
+        n = len(views)
+        a = min(int(draw * n), n - 1)
+        b = min(int(self.rng.random() * (n - 1)), n - 2)
+        if b >= a:
+            b += 1
         va, vb = views[a], views[b]
         best = min((va, vb), key=lambda v: (outstanding(v), -v.kv_free_kb, v.name))
         return NodeChoice(best.name, draw, {va.name: float(outstanding(va)), vb.name: float(outstanding(vb))})
