@@ -27,7 +27,8 @@ from workers.etcd_store import EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
-app = Celery("rackflow")
+# the worker imports the job tasks (`workers.jobs`, queue `jobs`) at start; they import this module for `app`
+app = Celery("rackflow", include=["workers.jobs"])
 app.conf.update(
     task_serializer="json",
     result_serializer="json",
@@ -90,22 +91,32 @@ async def _open(cls: Any) -> Any:
 def drain_node(self: Any, node: str) -> dict[str, Any]:
     """Move every live sequence off `node` (one task per sequence) and requeue what it never started (here, before
     its stream entries are acknowledged). Safe to run again: moved sequences and finished requests are skipped."""
+    from workers import metrics
     from workers.failover import drain_unstarted, plan_drain
+    from workers.runtime import log_context
 
-    plan = _run(plan_drain, node)
-    for seq_id, version, dst in plan.migrate:
-        migrate_sequence.apply_async((seq_id, version, node, dst), queue="control")
-    requeued = _run(drain_unstarted, node, plan)
-    log.info("drain %s: %d migrations, %d requeues", node, len(plan.migrate), requeued)
+    with log_context(node=node):
+        plan = _run(plan_drain, node)
+        for seq_id, version, dst in plan.migrate:
+            migrate_sequence.apply_async((seq_id, version, node, dst), queue="control")
+        requeued = _run(drain_unstarted, node, plan)
+        log.info("drain %s: %d migrations, %d requeues", node, len(plan.migrate), requeued)
+    metrics.FAILOVER_DRAINS.inc()
     return {"node": node, "migrations": len(plan.migrate), "requeues": requeued}
 
 
 @app.task(name="rackflow.migrate_sequence", bind=True, **RETRY)  # type: ignore[untyped-decorator]
 def migrate_sequence(self: Any, seq_id: str, version: int, src: str, dst: str | None) -> dict[str, Any]:
     """(src, version) -> (dst, version + 1); idempotent: a repeat finds the record moved and does nothing."""
+    from workers import metrics
     from workers.failover import migrate_sequence as move
+    from workers.runtime import log_context
 
-    report = _run(move, seq_id, version, src, dst)
+    with log_context(request_id=seq_id, seq_id=seq_id, node=src, dst=dst or ""):
+        report = _run(move, seq_id, version, src, dst)
+    metrics.FAILOVER_MIGRATIONS.labels(report.outcome).inc()
+    if report.outcome == "moved":
+        metrics.FAILOVER_MIGRATION_MS.observe(report.ms)
     if report.outcome in ("missing", "no-target"):
         requeue_request.apply_async((seq_id, version, src), queue="control")
     return dict(report.as_dict())
@@ -114,9 +125,14 @@ def migrate_sequence(self: Any, seq_id: str, version: int, src: str, dst: str | 
 @app.task(name="rackflow.requeue_request", bind=True, **RETRY)  # type: ignore[untyped-decorator]
 def requeue_request(self: Any, seq_id: str, version: int, src: str) -> str:
     """Back to the rack's batcher at version + 1; idempotent (a finished or already moved request is left)."""
+    from workers import metrics
     from workers.failover import requeue_request as requeue
+    from workers.runtime import log_context
 
-    return str(_run(requeue, seq_id, version, src))
+    with log_context(request_id=seq_id, seq_id=seq_id, node=src):
+        outcome = str(_run(requeue, seq_id, version, src))
+    metrics.FAILOVER_REQUEUES.labels(outcome).inc()
+    return outcome
 
 
 def send(name: str, *args: Any) -> Any:
@@ -125,9 +141,12 @@ def send(name: str, *args: Any) -> Any:
 
 
 def worker_main(config: RackflowConfig, redis_url: str, etcd_url: str, concurrency: int, queues: str,
-                loglevel: str) -> int:
+                loglevel: str, pool: str = "prefork") -> int:
+    """`pool`: prefork (default; a revoked job's task is terminated at once) or threads (for a worker of the `jobs`
+    queue only: a job task mostly waits for its result, so one process can wait for many; a revoked job then ends
+    when its aborted request's result arrives)."""
     configure(config, redis_url, etcd_url)
     argv = ["worker", f"--concurrency={concurrency}", f"--queues={queues}", f"--loglevel={loglevel}",
-            "--pool=prefork", "--without-gossip", "--without-mingle", "-E"]
+            f"--pool={pool}", "--without-gossip", "--without-mingle", "-E"]
     app.worker_main(argv)
     return 0

@@ -57,7 +57,7 @@ from workers.openai_api import (
     usage,
     validation_message,
 )
-from workers.runtime import WALL
+from workers.runtime import WALL, bind_log_context
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,8 @@ def _from_auth(e: AuthError) -> ApiError:
 
 def _from_result(result: ResultEvent) -> ApiError:
     msg = result.error or "the request failed"
+    if result.status == "cancelled":
+        return ApiError(409, f"the request was cancelled: {msg}", "request_cancelled")
     if "no healthy" in msg:
         return ApiError(503, msg, "no_capacity")
     return ApiError(502, f"the request failed in the cluster: {msg}", "upstream_error")
@@ -167,6 +169,13 @@ class GatewayMetrics:
                               registry=r)
         self.in_flight = Gauge("rackflow_gateway_in_flight_requests",
                                "Admitted requests still waiting for their final result", registry=r)
+        self.results = Counter("rackflow_gateway_results", "Final outcome of admitted requests, by model and status "
+                               "(ok, error, cancelled, timeout)", ["model", "status"], registry=r)
+        self.completion = Histogram(
+            "rackflow_gateway_completion_seconds", "Admission to the final result of a completion, by model",
+            ["model"], registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600),
+        )
         self.rejected = Counter("rackflow_gateway_rejected", "Requests answered with an error, by reason",
                                 ["reason"], registry=r)
 
@@ -361,6 +370,7 @@ class _Api:
             max_tokens=max_tokens,
             route_policy=request.headers.get("x-route-policy", "").strip(),
         )
+        bind_log_context(request_id=inp.request_id)  # this request's task: every line it logs carries the id
         t0 = time.perf_counter()
         try:
             req = await self.gateway.admit(inp)
@@ -389,6 +399,11 @@ class _Api:
             return _EventStreamResponse(self.sse(adm, kind), headers=_SSE_HEADERS)
         return await self.collect(adm, kind)
 
+    def _finished(self, adm: _Admitted, status: str) -> None:
+        self.metrics.results.labels(adm.req.model, status).inc()
+        if status == "ok":
+            self.metrics.completion.labels(adm.req.model).observe(time.perf_counter() - adm.t0)
+
     def _on_tokens(self, adm: _Admitted, ev: TokenEvent, first: bool) -> None:
         if first:
             self.metrics.ttft.labels(adm.req.model).observe(time.perf_counter() - adm.t0)
@@ -410,6 +425,7 @@ class _Api:
         except TimeoutError:
             log.warning("request %s: no final result within %.0fs", req.request_id,
                         self.config.gateway.request_timeout_s)
+            self._finished(adm, "timeout")
             raise _timeout(req.request_id, self.config.gateway.request_timeout_s) from None
         except RedisError as e:
             log.warning("request %s: stream store error while waiting: %s", req.request_id, e)
@@ -417,6 +433,7 @@ class _Api:
         finally:
             self.metrics.in_flight.dec()
         assert result is not None  # outputs() ends with the result or raises
+        self._finished(adm, result.status)
         if result.status != "ok":
             log.info("request %s failed: %s", req.request_id, result.error)
             raise _from_result(result)
@@ -458,6 +475,7 @@ class _Api:
                             if ev.text:
                                 yield _sse(piece(ev.text))
                             continue
+                        self._finished(adm, ev.status)
                         if ev.status != "ok":
                             log.info("request %s failed: %s", rid, ev.error)
                             error = _from_result(ev)
@@ -470,6 +488,7 @@ class _Api:
             except TimeoutError:
                 log.warning("request %s: no final result within %.0fs (stream)", rid,
                             self.config.gateway.request_timeout_s)
+                self._finished(adm, "timeout")
                 error = _timeout(rid, self.config.gateway.request_timeout_s)
             except RedisError as e:
                 log.warning("request %s: stream store error while streaming: %s", rid, e)
@@ -540,11 +559,15 @@ class _Api:
 def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_auth: bool) -> FastAPI:
     """The gateway's ASGI app. Raises AuthSetupError (a ConfigError) at once when auth is on but has no key.
 
-    `etcd_url` is accepted for the node registry; the gateway does not need it yet (models served come from config).
+    `etcd_url` is the sequence registry a job cancel finds the node of a running request in (without it, workers
+    still abort a cancelled request through its cancellation marker, within a status interval).
     """
+    from workers.jobs_http import JobsApi
+
     authn = Authenticator(config.gateway.auth, no_auth)
     metrics = GatewayMetrics()
     api = _Api(config, authn, metrics)
+    jobs_api = JobsApi(config, api, redis_url, etcd_url)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -554,10 +577,12 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         )
         r = aioredis.Redis(connection_pool=pool)
         api.attach(Gateway(config, r))
+        await jobs_api.start(r)
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")
         try:
             yield
         finally:
+            await jobs_api.close()
             api.attach(None)
             await r.aclose()
             await pool.disconnect()
@@ -610,6 +635,8 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
     @app.get("/v1/results/{request_id}")
     async def results(request: Request, request_id: str) -> Response:
         return await api.result(request, request_id)
+
+    jobs_api.register(app)  # POST /v1/jobs, GET|DELETE /v1/jobs/{id}, POST /v1/jobs/{id}/cancel
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from pipeline.events import ResultEvent, TokenEvent
 from streams import codec, keys
 from streams.runner import minid_for
+from workers import metrics
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class ResultWriter:
         pipe.xadd(out, f)  # type: ignore[arg-type]
         pipe.expire(out, self.out_ttl_s)
         await pipe.execute()
+        metrics.observe_results([result], [bool(written)])
         return bool(written)
 
     async def write_many(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
@@ -160,6 +162,7 @@ class ResultWriter:
             pipe.expire(out, self.out_ttl_s)  # also covers a result whose stream had no token chunk
         if results:
             await pipe.execute()
+        metrics.observe_results(results, written)
         return written
 
     async def _write_many_single(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
@@ -191,6 +194,7 @@ class ResultWriter:
             )
         replies = await pipe.execute()
         written = [bool(x) for x in replies[n_before:]]
+        metrics.observe_results(results, written)
         for r, w in zip(results, written, strict=True):
             if not w:
                 log.info("request %s v%d: final result already written; duplicate dropped", r.request_id, r.version)
@@ -205,6 +209,18 @@ class ResultWriter:
         # every marker hashes to the {rf:results} slot: one MGET, also on Redis Cluster
         values = await self.r.mget([keys.result_done(rid) for rid in request_ids])
         return {rid for rid, v in zip(request_ids, values, strict=True) if v is not None}
+
+    async def done_and_cancelled(self, request_ids: list[str]) -> tuple[set[str], set[str]]:
+        """The requests that already have their final result, and those that were cancelled (their cancellation
+        marker is set): both kinds of marker in one MGET (they share the {rf:results} slot)."""
+        if not request_ids:
+            return set(), set()
+        n = len(request_ids)
+        values = await self.r.mget([keys.result_done(rid) for rid in request_ids]
+                                   + [keys.request_cancelled(rid) for rid in request_ids])
+        done = {rid for rid, v in zip(request_ids, values[:n], strict=True) if v is not None}
+        cancelled = {rid for rid, v in zip(request_ids, values[n:], strict=True) if v is not None}
+        return done, cancelled
 
     async def stream_tokens(self, events: list[TokenEvent]) -> None:
         """Append token chunks to their clients' streams in one round trip."""

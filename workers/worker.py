@@ -15,22 +15,32 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.batching.ledger import stream_id_key
 from pipeline.config import RackflowConfig
 from pipeline.costmodel import CalibratedCostModel
-from pipeline.events import BatchEvent, HealthEvent, ReleaseEvent, RequestEvent, ResultEvent, ResumeEvent, TokenEvent
+from pipeline.events import (
+    BatchEvent,
+    CancelEvent,
+    HealthEvent,
+    ReleaseEvent,
+    RequestEvent,
+    ResultEvent,
+    ResumeEvent,
+    TokenEvent,
+)
 from pipeline.kv.snapshot import KvSnapshot
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
-from workers import metrics
+from workers import metrics, tracing
 from workers.engines import Engine, StepOutput
 from workers.engines.base import EngineError
 from workers.engines.sim import SimEngine
 from workers.etcd_store import NodeRegistry, SeqRecord, SeqRecorder, SequenceRegistry
 from workers.kv.manager import KvTierManager
 from workers.results import ResultWriter
-from workers.runtime import WALL, consumer_name
+from workers.runtime import WALL, consumer_name, log_context
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +56,8 @@ class _Live:
     first_token_ms: float = 0.0
     """Set for a resumed sequence: when the client got its first token (on the old owner)."""
     resumed_at: int = 0
+    span: Any = None
+    """The `worker.generate` span while tracing is on and the request is traced (admission to final result)."""
 
 
 def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
@@ -131,6 +143,8 @@ class Worker:
         self._m_tokens = metrics.ENGINE_TOKENS.labels(node, engine_name)
         self._m_step_ms = metrics.ENGINE_STEP_MS.labels(node)
         self._m_results = metrics.RESULTS.labels(node, "ok")
+        self._kv_seen: dict[tuple[str, str], int] = {}
+        """KV tier hits/misses already counted (the tier ledger's counts are cumulative)."""
         # KV tiers of this node (L1 host memory shared by the node's processes, L2 the stream server): where an
         # engine swaps sequences out when its L0 is full, and where migrations put and find snapshots
         self.kv = KvTierManager.for_node(config.policies.kv, node, self.r)
@@ -149,7 +163,8 @@ class Worker:
         for d in deliveries:
             ev = d.event
             if isinstance(ev, ResumeEvent):
-                await self._on_resume(d, ev, claims, now)
+                with log_context(request_id=ev.request.request_id, seq_id=ev.request.request_id):
+                    await self._on_resume(d, ev, claims, now)
                 continue
             if not isinstance(ev, BatchEvent):
                 raise TypeError(f"expected a batch on {d.stream}, got {type(ev).__name__}")
@@ -157,19 +172,26 @@ class Worker:
             if batch.node != self.node:
                 log.warning("batch %s addressed to %s arrived at %s", batch.batch_id, batch.node, self.node)
             ids = [r.request_id for r in batch.requests]
-            done = await self.results.done_among(ids)
+            done, cancelled = await self.results.done_and_cancelled(ids)
             left: set[str] = set()
             for req in batch.requests:
                 rid = req.request_id
                 if rid in done:
                     continue  # redelivered batch: this request already has its final result
+                if rid in cancelled and rid not in self.live:
+                    # cancelled before it started (a revoked job): its final result says so, it never runs
+                    await self._write_cancelled(req, batch.batch_id, batch.created_ms, [], "cancelled before it "
+                                                "started")
+                    continue
                 live = self.live.get(rid)
                 if live is not None:
                     if live.req.version >= req.version:
                         left.add(rid)  # already running here from an earlier delivery; finishing it settles both
                         self.entries_of.setdefault(rid, set()).add(d.id)
                     continue
-                self.live[rid] = _Live(req, batch.batch_id, batch.created_ms, d.id)
+                self.live[rid] = live = _Live(req, batch.batch_id, batch.created_ms, d.id)
+                if req.trace and tracing.TRACER is not None:
+                    live.span = self._start_span(req, batch.batch_id, now)
                 self.engine.submit(req)
                 left.add(rid)
                 self.entries_of.setdefault(rid, set()).add(d.id)
@@ -191,8 +213,13 @@ class Worker:
         req = ev.request
         rid = req.request_id
         self._advance_last(d.id)
-        if await self.results.is_done(rid):
+        done, cancelled = await self.results.done_and_cancelled([rid])
+        if done:
             return  # it finished meanwhile (the old owner got there first): nothing to resume
+        if cancelled and rid not in self.live:
+            await self._write_cancelled(req, f"resume:{ev.src}", now, list(ev.texts), "cancelled while moving")
+            self.recorder.release([rid])  # the mover made this node its owner: the record goes with the request
+            return
         live = self.live.get(rid)
         if live is not None:
             if live.req.version >= req.version:
@@ -201,7 +228,9 @@ class Worker:
                             live.req.version)
                 return
             self.engine.abort(rid)  # an older incarnation: the newer version wins
-            self.live.pop(rid, None)
+            old = self.live.pop(rid, None)
+            if old is not None and old.span is not None:
+                tracing.end_span(old.span, error="replaced by a newer version")
             await self._settle([rid])
         snap = None
         if ev.snapshot_version:
@@ -228,6 +257,8 @@ class Worker:
         live = _Live(req, f"resume:{ev.src}", now, d.id, text=list(ev.texts))
         live.first_token_ms = ev.first_token_ms
         live.resumed_at = len(ev.generated)
+        if req.trace and tracing.TRACER is not None:
+            live.span = self._start_span(req, live.batch_id, now, resumed_from=ev.src, resumed_at=live.resumed_at)
         self.live[rid] = live
         self.batch_left[d.id] = {rid}
         self.entries_of.setdefault(rid, set()).add(d.id)
@@ -240,9 +271,62 @@ class Worker:
     async def _on_control(self, deliveries: list[Delivery]) -> None:
         for d in deliveries:
             ev = d.event
+            if isinstance(ev, CancelEvent):
+                with log_context(request_id=ev.request_id, seq_id=ev.request_id):
+                    await self._cancel(ev.request_id, ev.reason)
+                continue
             if not isinstance(ev, ReleaseEvent):
                 raise TypeError(f"expected a control message on {d.stream}, got {type(ev).__name__}")
-            await self._release(ev)
+            with log_context(request_id=ev.seq_id, seq_id=ev.seq_id):
+                await self._release(ev)
+
+    async def _cancel(self, rid: str, reason: str = "") -> bool:
+        """Abort a live sequence (a revoked job): the engine drops it, the tokens it made so far go out, and its
+        final result is written with status `cancelled` by the exactly-once writer (a finish that races with this
+        cannot add a second result). A request that is not live here is left alone: if it is still on its way,
+        its cancellation marker stops it at admission. True when the sequence was live here."""
+        live = self.live.get(rid)
+        if live is None:
+            return False
+        self.engine.abort(rid)
+        await self._write_cancelled(live.req, live.batch_id, live.batched_ms, live.text,
+                                    reason or "cancelled", live=live)
+        log.info("request %s cancelled after %d tokens (%s)", rid, len(live.text), reason or "no reason given")
+        return True
+
+    async def _write_cancelled(self, req: RequestEvent, batch_id: str, batched_ms: float, texts: list[str],
+                               reason: str, live: _Live | None = None) -> None:
+        """The final `cancelled` result of `req` (exactly once); a live sequence also leaves this worker."""
+        rid = req.request_id
+        now = WALL.now_ms()
+        tokens = self._token_events([rid], now) if live is not None else []
+        result = ResultEvent(
+            request_id=rid, version=req.version, tenant=req.tenant, user_id=req.user_id, model=req.model,
+            status="cancelled", node=self.node, rack=self.rack, in_tokens=req.in_tokens, out_tokens=len(texts),
+            arrival_ms=req.arrival_ms, finish_ms=now, batch_id=batch_id, text="".join(texts), error=reason,
+            batched_ms=batched_ms, first_token_ms=live.first_token_ms if live is not None else 0.0,
+            routed_ms=req.routed_ms,
+        )
+        if live is not None:
+            self.live.pop(rid, None)
+        written = await self.results.write_many([result], tokens)
+        if any(written):
+            metrics.RESULTS.labels(self.node, "cancelled").inc()
+        if live is not None:
+            if live.span is not None:
+                tracing.end_span(live.span, cancelled=True, out_tokens=len(texts))
+            self.recorder.release([rid])
+            await self._settle([rid])
+
+    async def _cancel_marked(self) -> None:
+        """Backstop of the control message: live sequences whose cancellation marker is set are aborted (a
+        cancel that looked for the owner before this worker had recorded the sequence in etcd)."""
+        ids = list(self.live)
+        if not ids:
+            return
+        _done, cancelled = await self.results.done_and_cancelled(ids)
+        for rid in cancelled:
+            await self._cancel(rid, "cancelled")
 
     async def _release(self, ev: ReleaseEvent) -> None:
         """Stop a sequence that is being moved away: its tokens so far go out, its KV goes to the tiers at the new
@@ -259,6 +343,8 @@ class Worker:
             except Exception as e:  # the move still goes on: the new owner re-prefills
                 log.warning("sequence %s: KV export on release failed: %s", rid, e)
                 self.engine.abort(rid)
+            if live.span is not None:
+                tracing.end_span(live.span, released_to=ev.dst or "", kv_exported=exported)
             self.live.pop(rid, None)
             await self._settle([rid])
             self.recorder.release([])  # the record now belongs to the new owner: never delete it from here
@@ -307,8 +393,11 @@ class Worker:
         now = WALL.now_ms()
         tokens = self._token_events([*first, *(f.request_id for f in finished)], now)
         results = []
+        spans = []
         for f in finished:
             live = self.live.pop(f.request_id)
+            if live.span is not None:
+                spans.append((live.span, f.out_tokens))
             results.append(ResultEvent(
                 request_id=live.req.request_id,
                 version=live.req.version,
@@ -332,6 +421,8 @@ class Worker:
         if not tokens and not results:
             return
         await self.results.write_many(results, tokens)
+        for span, out_tokens in spans:  # empty unless tracing is on
+            tracing.end_span(span, out_tokens=out_tokens)
         if results:
             self.recorder.release([r.request_id for r in results])
             self._m_results.inc(len(results))
@@ -400,6 +491,7 @@ class Worker:
         metrics.ENGINE_RUNNING.labels(self.node).set(ev.running)
         metrics.ENGINE_WAITING.labels(self.node).set(ev.waiting)
         metrics.KV_USED_KB.labels(self.node).set(ev.kv_used_kb)
+        metrics.KV_CAPACITY_KB.labels(self.node).set(ev.kv_capacity_kb)
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(keys.node_status(self.node), mapping=codec.encode(ev))  # type: ignore[arg-type]
         pipe.xadd(keys.HEALTH, codec.encode(ev), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
@@ -424,6 +516,7 @@ class Worker:
         while not stop.is_set():
             try:
                 await self._apply_faults()
+                await self._cancel_marked()
                 await self.publish_status()
             except Exception as e:
                 log.warning("node %s: status publish failed: %s", self.node, e)
@@ -455,6 +548,15 @@ class Worker:
                 metrics.KV_TIER.labels(self.node, tier, name).set(table.get(tier, 0))
         for name in ("bytes_moved", "demotions", "promotions", "drops", "refused_stale"):
             metrics.KV_TIER.labels(self.node, "all", name).set(getattr(st, name))
+        metrics.export_kv_counters(self.node, {t: st.hits.get(t, 0) for t in self.kv.tiers},
+                                   {t: st.misses.get(t, 0) for t in self.kv.tiers}, self._kv_seen)
+
+    def _start_span(self, req: RequestEvent, batch_id: str, now: float, **attributes: object) -> Any:
+        """`worker.generate` of a traced request: child of the batcher's span, open until the final result."""
+        attrs = {"request_id": req.request_id, "model": req.model, "tenant": req.tenant, "version": req.version,
+                 "node": self.node, "rack": self.rack, "batch_id": batch_id, "engine": self.engine_name,
+                 "in_tokens": req.in_tokens, **attributes}
+        return tracing.start_span("worker.generate", req.trace, attrs, now)
 
     async def run(self, stop: asyncio.Event) -> int:
         await self.engine.start()
