@@ -426,6 +426,26 @@ class GatewayConfig(_Strict):
     """On SIGTERM, open streams get this long to finish."""
 
 
+class TracingConfig(_Strict):
+    enabled: bool = False
+    """OpenTelemetry spans of each request across gateway -> router -> batcher -> worker (needs the `otel` extra;
+    the shell's RACKFLOW_TRACING=1 turns it on as well). Off: no span is made and nothing is allocated for it."""
+    exporter: Literal["none", "console", "otlp"] = "otlp"
+    """Where finished spans go: `otlp` (OTLP over HTTP to `otlp_endpoint`), `console` (stdout), `none` (spans are
+    made and propagated but not exported)."""
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    """OTLP/HTTP traces endpoint of the collector."""
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    """Fraction of requests traced; decided once at the gateway, every later hop follows that decision."""
+
+
+class ObservabilityPolicy(_Strict):
+    tracing: TracingConfig = TracingConfig()
+    """OpenTelemetry tracing of requests (off by default)."""
+    log_json: bool = False
+    """Logs as one JSON object per line (also `--log-json` or RACKFLOW_LOG_JSON=1)."""
+
+
 class Policies(_Strict):
     profiling: ProfilingPolicy = ProfilingPolicy()
     router: RouterPolicy = RouterPolicy()
@@ -435,6 +455,7 @@ class Policies(_Strict):
     streams: StreamsPolicy = StreamsPolicy()
     health: HealthPolicy = HealthPolicy()
     kv: KvTierConfig = KvTierConfig()
+    observability: ObservabilityPolicy = ObservabilityPolicy()
     seed: int = Field(default=20231116, ge=0, le=2**63 - 1)
     """Seed of every random choice (weighted random dispatch); replay reproduces decisions with it."""
 

@@ -138,6 +138,10 @@ async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
             raise
 
 
+DEAD_LETTER_OBSERVERS: list[Callable[[str, str], None]] = []
+"""Called with (stream, group) after each entry sent to the dead-letter stream (the roles' metrics count them)."""
+
+
 async def dead_letter(
     r: aioredis.Redis,
     *,
@@ -160,6 +164,8 @@ async def dead_letter(
         b"fields": codec.encode_fields_for_dlq(fields or {}),
     }
     await r.xadd(keys.DLQ, entry, minid=minid_for(now_ms, retention_ms), approximate=True)  # type: ignore[arg-type]
+    for observe in DEAD_LETTER_OBSERVERS:
+        observe(stream, group)
 
 
 @dataclass

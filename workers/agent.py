@@ -33,6 +33,7 @@ from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent
 from streams import codec, keys
 from streams.runner import connect
+from workers import metrics
 from workers.etcd_store import EtcdStoreError, _translate, parse_etcd_url
 from workers.nvml_source import NvmlSource, NvmlUnavailable
 from workers.runtime import WALL
@@ -257,6 +258,12 @@ class HealthAgent:
         log.info("health agent %s stopped (%d samples)", self.node, self.stats.samples)
         return 0
 
+    def _export_metrics(self, ev: HealthEvent) -> None:
+        metrics.AGENT_SAMPLES.labels(self.node).inc()
+        metrics.GPU_TEMP.labels(self.node).set(ev.temp_c)
+        metrics.GPU_MEM_FREE_GB.labels(self.node).set(ev.gpu_mem_free_gb)
+        metrics.GPU_XID.labels(self.node).set(ev.xid_errors)
+
     async def _sample_loop(self, stop: asyncio.Event, source: GpuSource, r: aioredis.Redis) -> None:
         loop = asyncio.get_running_loop()
         next_t = loop.time()
@@ -267,11 +274,13 @@ class HealthAgent:
                 ev = self.event(await source.sample(now_ms), now_ms)
                 await self.publish(r, ev)
                 self.stats.samples += 1
+                self._export_metrics(ev)
                 if failing:
                     log.info("node %s: publishing health samples again", self.node)
                 failing = False
             except Exception as e:  # Redis down, a source error: never stop sampling over it
                 self.stats.publish_failures += 1
+                metrics.AGENT_FAILURES.labels(self.node).inc()
                 if not failing:
                     log.warning("node %s: health sample not published (%s); retrying each interval", self.node, e)
                 failing = True

@@ -14,21 +14,21 @@ import asyncio
 import logging
 import uuid
 
-from pipeline.batching.fixed import FixedBatcher
 from pipeline.batching.ledger import ReservationLedger
-from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
+from pipeline.batching.window import CloseReason, PendingRequest
 from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, DecisionEvent, RequestEvent
-from pipeline.routing.registry import NodePolicySet
+from pipeline.replay import DrawLog, rack_batcher, window_record
+from pipeline.routing.node_policies.weighted import node_weight
 from pipeline.routing.views import NodeView
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
-from workers import metrics
+from workers import metrics, tracing
 from workers.cluster_view import ClusterView
 from workers.etcd_store import NodeRegistry
 from workers.results import ResultWriter
 from workers.router import error_result
-from workers.runtime import WALL, consumer_name
+from workers.runtime import WALL, consumer_name, log_context
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +40,19 @@ class Batcher:
         self.config = config
         self.rack = rack
         pol = config.policies
-        nodes = config.cluster.racks[config.rack_names().index(rack)].expanded()
-        caps = {n.name: config.node_mem_budget_kb(n.name) for n in nodes}
-        # Each policy of this rack gets its own random source seeded by (seed, rack, policy): replaying the same
-        # inputs reproduces the same choices.
-        self.policies = NodePolicySet(
-            pol.node_selection, pol.seed, rack, {n.name: n.gpu for n in nodes}, pol.profiling.prefix_block_tokens
-        )
-        models = {n.name: frozenset(n.models) for n in nodes}
-        self.window: WindowBatcher | FixedBatcher
-        if pol.batcher.mode == "fixed":
-            self.window = FixedBatcher(pol.batcher, self.policies, caps, models, pol.batcher.fixed_batch)
-        else:
-            self.window = WindowBatcher(pol.batcher, self.policies, caps, models)
+        # The same construction replay uses; every node policy's draws are logged so each window record carries them.
+        self.draws = DrawLog()
+        self.window, self.policies = rack_batcher(config, rack, self.draws.factory)
         self.ledger = ReservationLedger()
         self.r = connect(redis_url)
+        self.actor = consumer_name(f"batcher-{rack}")
         self.registry = NodeRegistry(etcd_url)
         self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms)
         retention_ms = pol.streams.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
         self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
         self.consumer = StreamConsumer(
-            self.r, keys.rack_requests(rack), keys.GROUP_BATCHER, consumer_name(f"batcher-{rack}"),
+            self.r, keys.rack_requests(rack), keys.GROUP_BATCHER, self.actor,
             self._on_requests, now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=50,
             claim_idle_ms=pol.streams.claim_idle_ms, max_deliveries=pol.streams.max_deliveries,
             retention_ms=retention_ms,
@@ -69,6 +60,10 @@ class Batcher:
         self._lock = asyncio.Lock()
         self._arrived = asyncio.Event()
         self._held: set[str] = set()
+        self._offered: list[tuple[str, int, float]] = []
+        self._idle_closes = 0
+        self._last_idle_ms = 0.0
+        """Requests offered since the last close (id, version, enqueue time), for the window's replay record."""
         self.batches = 0
         self.dispatched = 0
 
@@ -84,6 +79,7 @@ class Batcher:
                     continue  # redelivery of an entry already waiting in the window
                 self._held.add(d.id)
                 self.window.offer(PendingRequest(req, d.id, now))
+                self._offered.append((req.request_id, req.version, now))
         self._arrived.set()
 
     def node_views(self, now: float) -> list[NodeView]:
@@ -101,11 +97,32 @@ class Batcher:
             if reason in (CloseReason.EMPTY, CloseReason.NOT_YET):
                 return reason
             window_open = self.window.window_open_ms if self.window.window_open_ms is not None else now
+            self.draws.take()  # nothing draws outside a close; start this close's log empty
             outcome = self.window.close(now, nodes)
+            draws = self.draws.take()
+            record = None
+            if outcome.plans or outcome.rejections or self._offered:
+                record = window_record(
+                    actor=self.actor, rack=self.rack, policy=self.policies.default, reason=reason.value, now_ms=now,
+                    nodes=nodes, offered=self._offered, draws=draws, pending_after=outcome.waiting,
+                    idle_closes=self._idle_closes, last_idle_ms=self._last_idle_ms,
+                )
+                self._offered = []
+                self._idle_closes = 0
+            else:
+                # A close that placed, rejected and received nothing (requests waiting for memory) only ages the
+                # waiting ones: replay re-applies it from a count on the next record instead of one entry each.
+                self._idle_closes += 1
+                self._last_idle_ms = now
             for plan in outcome.plans:
+                batch_id = str(uuid.uuid4())
+                requests = tuple(p.request for p in plan.requests)
+                if tracing.TRACER is not None:  # a span per traced request; the worker's spans are its children
+                    requests = tracing.dispatch(requests, [p.enqueued_ms for p in plan.requests], now,
+                                                rack=self.rack, node=plan.node, batch_id=batch_id)
                 batch = BatchEvent(
-                    batch_id=str(uuid.uuid4()), rack=self.rack, node=plan.node,
-                    requests=tuple(p.request for p in plan.requests), mem_est_kb=plan.mem_est_kb,
+                    batch_id=batch_id, rack=self.rack, node=plan.node,
+                    requests=requests, mem_est_kb=plan.mem_est_kb,
                     mem_budget_kb=plan.budget_kb, window_open_ms=window_open, created_ms=now,
                 )
                 entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
@@ -113,7 +130,7 @@ class Batcher:
                 await self.producer.add_many(
                     (keys.DECISIONS, DecisionEvent(
                         kind="dispatch", policy=c.policy, choice=c.node, request_ids=c.request_ids, ts_ms=now,
-                        scores=dict(c.scores), draw=c.draw, batch_id=batch.batch_id,
+                        scores=dict(c.scores), draw=c.draw, batch_id=batch.batch_id, rack=self.rack, actor=self.actor,
                     ))
                     for c in plan.choices
                 )
@@ -127,13 +144,18 @@ class Batcher:
                 metrics.BATCH_MEM_UTIL.labels(self.rack).observe(plan.utilisation)
                 for p in plan.requests:
                     metrics.BATCH_WAIT_MS.labels(self.rack).observe(max(0.0, now - p.enqueued_ms))
-                log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
-                          batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation, reason.value)
+                if log.isEnabledFor(logging.DEBUG):
+                    with log_context(node=plan.node, batch_id=batch.batch_id):
+                        log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
+                                  batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation,
+                                  reason.value)
             for rej in outcome.rejections:
                 metrics.REJECTED.labels(self.rack).inc()
                 await self.results.write(error_result(rej.pending.request, rej.reason, rack=self.rack))
                 await self.consumer.ack([rej.pending.entry_id])
                 self._held.discard(rej.pending.entry_id)
+            if record is not None:
+                await self.producer.add(keys.DECISIONS, record)
             return reason
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
@@ -153,12 +175,25 @@ class Batcher:
         while not stop.is_set():
             try:
                 await self.view.refresh()
+                self._export_metrics()
             except Exception as e:
                 log.warning("rack %s: cluster view refresh failed: %s", self.rack, e)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:
                 pass
+
+    def _export_metrics(self) -> None:
+        """The weighted policy's W of each node of the rack as this batcher sees it (its reservations applied), and
+        each node's share of the rack's W (its dispatch probability under `weighted`)."""
+        views = self.node_views(WALL.now_ms())
+        k = self.config.policies.node_selection.latency_decay_per_ms
+        weights = {v.name: node_weight(v, k) for v in views}
+        total = sum(weights.values())
+        for v in views:
+            metrics.NODE_WEIGHT.labels(self.rack, v.name).set(weights[v.name])
+            metrics.NODE_WEIGHT_SHARE.labels(self.rack, v.name).set(weights[v.name] / total if total > 0 else 0.0)
+            metrics.NODE_ACTIVE.labels(self.rack, v.name).set(1.0 if v.active else 0.0)
 
     async def run(self, stop: asyncio.Event) -> int:
         await self.view.refresh()

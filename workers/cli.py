@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import DEFAULT_CONFIG_DIR, ConfigError, RackflowConfig, load_config
-from workers.runtime import run_until_signalled, setup_logging
+from workers.runtime import json_logs_requested, run_until_signalled, setup_logging
 
 log = logging.getLogger("rackflow")
 
@@ -81,11 +81,32 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 # -- roles ---------------------------------------------------------------------------------------------------------
-def _serve_metrics(args: argparse.Namespace) -> None:
-    if getattr(args, "metrics_port", None) is not None:
+def _observe(args: argparse.Namespace, config: RackflowConfig, role: str, redis_url: str,
+             streams: list[str] | None = None, node: str | None = None, rack: str | None = None,
+             serve_metrics: bool = True) -> None:
+    """What every role process sets up first: logging (text or JSON, with its node/rack on every line), tracing
+    (when configured) and, with --metrics-port, Prometheus /metrics including its own streams' lengths and
+    consumer-group state."""
+    obs = config.policies.observability
+    setup_logging(args.log_level, role, json_logs=args.log_json or obs.log_json, node=node, rack=rack)
+    kind = role.split("-", 1)[0]
+    from workers import tracing
+
+    tracing.init_tracing(obs.tracing, service=kind)
+    if serve_metrics and getattr(args, "metrics_port", None) is not None:
         from workers import metrics
 
+        if streams:
+            metrics.watch_streams(redis_url, streams)
+        metrics.ROLE_INFO.labels(kind, node or "", rack or "").set(1)
         metrics.serve(args.metrics_port)
+
+
+def _rack_of(config: RackflowConfig, node: str) -> str | None:
+    try:
+        return config.rack_of(node)
+    except KeyError:
+        return None  # the role reports the unknown node itself
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -93,8 +114,9 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
-    setup_logging(args.log_level, "router")
-    _serve_metrics(args)
+    from streams import keys
+
+    _observe(args, config, "router", redis_url, [keys.INGRESS])
     return run_until_signalled(lambda stop: Router(config, redis_url, etcd_url).run(stop))
 
 
@@ -103,8 +125,9 @@ def cmd_batcher(args: argparse.Namespace) -> int:
 
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
-    setup_logging(args.log_level, f"batcher-{args.rack}")
-    _serve_metrics(args)
+    from streams import keys
+
+    _observe(args, config, f"batcher-{args.rack}", redis_url, [keys.rack_requests(args.rack)], rack=args.rack)
     return run_until_signalled(lambda stop: Batcher(config, args.rack, redis_url, etcd_url).run(stop))
 
 
@@ -113,8 +136,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
-    setup_logging(args.log_level, f"worker-{args.node}")
-    _serve_metrics(args)
+    from streams import keys
+
+    _observe(args, config, f"worker-{args.node}", redis_url, [keys.node_batches(args.node),
+             keys.node_control(args.node)], node=args.node, rack=_rack_of(config, args.node))
     engine = args.engine or config.policies.worker.engine
     return run_until_signalled(
         lambda stop: Worker(config, args.node, engine, redis_url, etcd_url, grace_s=args.grace).run(stop)
@@ -135,7 +160,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             return 2
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
-    setup_logging(args.log_level, f"agent-{args.node}")
+    _observe(args, config, f"agent-{args.node}", redis_url, node=args.node, rack=_rack_of(config, args.node))
     try:
         agent = HealthAgent(config, args.node, args.source, redis_url, etcd_url, gpu_indices=gpus,
                             revoke_on_stop=not args.keep_heartbeat)
@@ -214,7 +239,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
-    setup_logging(args.log_level, "gateway")
+    _observe(args, config, "gateway", redis_url)  # its /metrics is on its own HTTP port
     return serve(config, redis_url, etcd_url, host=args.host, port=args.port, no_auth=args.no_auth)
 
 
@@ -276,8 +301,34 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
-    setup_logging(args.log_level, "monitor")
+    from streams import keys
+
+    _observe(args, config, "monitor", redis_url, [keys.HEALTH, keys.DLQ])
     return run_until_signalled(lambda stop: Monitor(config, redis_url, etcd_url).run(stop))
+
+
+def _celery_metrics(port: int) -> None:
+    """/metrics of a Celery worker and its pool processes (tasks run in forked children): prometheus_client's
+    multiprocess mode, in a directory of this run (removed at exit)."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    if "prometheus_client" in sys.modules:
+        log.warning("celery worker: prometheus_client imported before its multiprocess directory was set; "
+                    "the pool's task metrics may be missing")
+    directory = tempfile.mkdtemp(prefix="rackflow-celery-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    atexit.register(shutil.rmtree, directory, True)
+    from workers import metrics
+
+    for outcome in metrics.MIGRATION_OUTCOMES:  # the series exist before the first task (multiprocess mode
+        metrics.FAILOVER_MIGRATIONS.labels(outcome)  # exports only values some process has created)
+    for outcome in metrics.REQUEUE_OUTCOMES:
+        metrics.FAILOVER_REQUEUES.labels(outcome)
+    metrics.ROLE_INFO.labels("celery", "", "").set(1)
+    metrics.serve_multiprocess(port, directory)
 
 
 def cmd_celery_worker(args: argparse.Namespace) -> int:
@@ -285,8 +336,23 @@ def cmd_celery_worker(args: argparse.Namespace) -> int:
 
     config = _config(args)
     redis_url, etcd_url = _endpoints(args)
-    setup_logging(args.log_level, "celery")
-    return worker_main(config, redis_url, etcd_url, args.concurrency, args.queues, args.log_level)
+    _observe(args, config, "celery", redis_url, serve_metrics=False)
+    if args.metrics_port is not None:
+        _celery_metrics(args.metrics_port)
+    if args.log_json or config.policies.observability.log_json or json_logs_requested():
+        from workers.celery_app import app
+
+        app.conf.worker_hijack_root_logger = False  # keep the JSON handler (Celery would install its own)
+    return worker_main(config, redis_url, etcd_url, args.concurrency, args.queues, args.log_level, args.pool)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from workers.jobs_cli import cmd_jobs as run
+
+    config = _config(args)
+    redis_url, etcd_url = _endpoints(args)
+    setup_logging("WARNING" if args.log_level.upper() == "INFO" else args.log_level, "jobs")
+    return run(args, config, redis_url, etcd_url)
 
 
 def _port_free(port: int) -> bool:
@@ -343,6 +409,7 @@ class _LocalCluster:
             with_failover=with_failover,
             agent_source=getattr(args, "agent_source", "sim"),
             flower_port=flower,
+            metrics=getattr(args, "metrics", False),
         )
 
     def start(self) -> None:
@@ -378,6 +445,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"gateway http://{cluster.config.gateway.host}:{procs.gateway_port}/v1  auth: {auth}", flush=True)
         if procs.flower_port is not None:
             print(f"flower  http://127.0.0.1:{procs.flower_port}/  (API enabled for local use)", flush=True)
+        if args.metrics:
+            targets = STATE_DIR / "up" / "prometheus-targets.json"
+            targets.write_text(json.dumps(procs.metrics_targets(), indent=2))
+            print(f"metrics /metrics of every role; Prometheus file_sd targets in {targets}", flush=True)
         print(f"logs in {STATE_DIR / 'up' / 'logs'}; Ctrl-C stops everything")
         while not interrupted:
             dead = cluster.procs.dead()
@@ -415,7 +486,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
             args.model, cluster.config.policies.seed, progress=not args.no_progress,
         )
         asyncio.run(run.wait_ready())
+        t0 = time.time() * 1000.0
         report = asyncio.run(run.run())
+        if args.record:
+            from streams.replay_file import DEFAULT_GROUPS
+            from workers.replay_cli import export_window
+
+            time.sleep(0.5)  # the last window records and health samples
+            h = asyncio.run(export_window(cluster.redis_url, Path(args.record), t0, time.time() * 1000.0, 0.0,
+                                          DEFAULT_GROUPS, lambda: cluster.config, quiet=args.no_progress))
+            print(f"rackflow demo: recorded {h.total} stream entries to {args.record} (`rackflow replay run|report "
+                  f"{args.record}`)", file=sys.stderr)
     finally:
         cluster.stop()
     plot = Path(args.out) / "demo.png"
@@ -487,6 +568,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _endpoints_or_none(args))
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from workers.replay_cli import cmd_replay as run
+
+    return run(args, lambda: _config(args), lambda: _endpoints(args))
+
+
 def _endpoints_or_none(args: argparse.Namespace) -> tuple[str, str] | None:
     from workers.services import resolve_endpoints
 
@@ -505,6 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd-url", default=None, help="existing etcd, http://HOST:PORT (default: env "
                    "RACKFLOW_ETCD_URL, else the embedded services)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-json", action="store_true", help="log one JSON object per line (also "
+                   "RACKFLOW_LOG_JSON=1 or policies.observability.log_json); role processes started by this "
+                   "command log JSON too")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("services", help="embedded Valkey + etcd on free loopback ports")
@@ -532,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nvml: the host's GPUs; sim: a model of the node (load + injected faults)")
     s.add_argument("--gpus", default=None, metavar="0,1,...",
                    help="NVML indices of the node's GPUs (default: every GPU of the host)")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics (0: any free port)")
     s.add_argument("--keep-heartbeat", action="store_true",
                    help="on SIGTERM let the heartbeat lease run out instead of revoking it (a supervised restart: "
                         "a successor takes the heartbeat over without a gap)")
@@ -548,11 +639,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_fault)
 
     s = sub.add_parser("monitor", help="run a failover monitor (one leader at a time through etcd)")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics (0: any free port)")
     s.set_defaults(fn=cmd_monitor)
     s = sub.add_parser("celery-worker", help="run a Celery worker for the control tasks (and async jobs)")
     s.add_argument("--concurrency", type=int, default=2)
     s.add_argument("--queues", default="control,jobs")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics of the worker and "
+                   "its pool processes (0: any free port)")
+    s.add_argument("--pool", choices=["prefork", "threads"], default="prefork",
+                   help="threads: for a worker of the `jobs` queue alone (a job task mostly waits for its result, "
+                        "so one process waits for many with a high --concurrency)")
     s.set_defaults(fn=cmd_celery_worker)
+
+    from workers.jobs_cli import add_parser as add_jobs_parser
+
+    add_jobs_parser(sub, cmd_jobs)
 
     s = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
     s.add_argument("--host", default=None, help="bind address (default: gateway.host in config)")
@@ -584,6 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="health agents read NVML (GPU nodes) or model the node (default, laptops)")
     s.add_argument("--flower-port", type=int, default=None,
                    help="Flower's port (its API is enabled); default 5555, or a free port when 5555 is taken")
+    s.add_argument("--metrics", action="store_true", help="every role serves Prometheus /metrics on a free port; "
+                   "the targets are written to .rackflow/up/prometheus-targets.json (file_sd format)")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("demo", help="run the local cluster on the Azure conversation trace and report")
@@ -593,6 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speedup", type=float, default=10.0, help="time compression of the trace's arrivals")
     s.add_argument("--model", default="qwen2-7b")
     s.add_argument("--out", default="report", help="directory for demo.png and demo.json")
+    s.add_argument("--record", default=None, metavar="FILE", help="also export the run's streams to FILE (an "
+                   "incident recording for `rackflow replay`)")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--engine", choices=["sim", "torch"], default=None)
@@ -601,6 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
     from workers.sim_cli import add_parser as add_sim_parser
 
     add_sim_parser(sub)
+
+    from workers.replay_cli import add_parser as add_replay_parser
+
+    add_replay_parser(sub, cmd_replay)
 
     s = sub.add_parser("config", help="validate and summarise the configuration")
     s.add_argument("action", choices=["check"])
@@ -632,6 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_json:
+        import os
+
+        os.environ["RACKFLOW_LOG_JSON"] = "1"  # the role processes `up`/`demo` start inherit it
     try:
         return int(args.fn(args) or 0)
     except ConfigError as e:

@@ -22,6 +22,7 @@ from pipeline.profiling import ProfileInput, profile_request
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import StreamProducer
+from workers import tracing
 from workers.runtime import WALL
 
 log = logging.getLogger(__name__)
@@ -137,12 +138,21 @@ class Gateway:
         return value
 
     async def admit(self, inp: ProfileInput) -> RequestEvent:
-        """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload."""
+        """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload.
+        With tracing on, the admission is the root span of the request's trace (`gateway.admit`)."""
+        if tracing.TRACER is None:
+            return await self._admit(inp, None)
+        with tracing.root_span("gateway.admit") as span:
+            return await self._admit(inp, span)
+
+    async def _admit(self, inp: ProfileInput, span: Any) -> RequestEvent:
         if inp.max_tokens is None and inp.user_avg_out is None:
             avg = await self.user_avg_out(inp.tenant, inp.user_id)
             if avg is not None:
                 inp = _replace(inp, user_avg_out=avg)
         req = self.profile(inp)
+        if span is not None:
+            req = tracing.stamp(span, req)
         bound = self.config.gateway.max_ingress_backlog
         if await self.backlog() >= bound:
             raise RequestRejected(
@@ -154,11 +164,18 @@ class Gateway:
 
     async def submit(self, inp: ProfileInput) -> RequestEvent:
         req = self.profile(inp)
+        if tracing.TRACER is not None:
+            with tracing.root_span("gateway.admit") as span:
+                req = tracing.stamp(span, req)
         await self.producer.add(keys.INGRESS, req)
         return req
 
     async def submit_many(self, inputs: Sequence[ProfileInput]) -> list[RequestEvent]:
         reqs = [self.profile(i) for i in inputs]
+        if tracing.TRACER is not None:
+            for k, req in enumerate(reqs):
+                with tracing.root_span("gateway.admit") as span:
+                    reqs[k] = tracing.stamp(span, req)
         await self.producer.add_many((keys.INGRESS, r) for r in reqs)
         return reqs
 

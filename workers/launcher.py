@@ -26,6 +26,8 @@ class RoleProcess:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    metrics_port: int | None = None
+    """Where its Prometheus /metrics answers (the gateway: its HTTP port), when the cluster runs with metrics."""
 
 
 @dataclass
@@ -47,6 +49,8 @@ class ClusterProcesses:
     agent_source: str = "sim"
     flower_port: int | None = None
     """When set (and with_failover), start Flower on this port."""
+    metrics: bool = False
+    """Every role serves Prometheus /metrics on a free port of its own (RoleProcess.metrics_port)."""
     procs: list[RoleProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -57,6 +61,14 @@ class ClusterProcesses:
         """Start `python -m workers.cli <role> ...`; the celery role runs `celery-worker`."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
+        metrics_port = None
+        if self.metrics and role != "gateway":
+            from workers.services import free_port
+
+            metrics_port = free_port()
+            extra = [*extra, "--metrics-port", str(metrics_port)]
+        elif role == "gateway":
+            metrics_port = self.gateway_port or None  # 0: a free port the gateway picks (printed in its log)
         cmd = [
             sys.executable, "-m", "workers.cli", *self.config_args,
             "--redis-url", self.redis_url, "--etcd-url", self.etcd_url, "--log-level", self.log_level,
@@ -68,9 +80,17 @@ class ClusterProcesses:
                                     start_new_session=True)
         finally:
             fh.close()
-        rp = RoleProcess(role, name, proc, log_path)
+        rp = RoleProcess(role, name, proc, log_path, metrics_port)
         self.procs.append(rp)
         return rp
+
+    def metrics_targets(self) -> list[dict[str, object]]:
+        """The roles' /metrics endpoints as Prometheus file_sd targets (`file_sd_configs`)."""
+        return [
+            {"targets": [f"127.0.0.1:{p.metrics_port}"], "labels": {"job": "rackflow", "role": p.role,
+                                                                    "process": p.name}}
+            for p in self.procs if p.metrics_port is not None and (self.metrics or p.role == "gateway")
+        ]
 
     def start(self) -> None:
         for node in self.config.nodes():

@@ -24,9 +24,9 @@ from pipeline.events import DecisionEvent, HealthEvent
 from pipeline.health import HealthSample, HealthScorer
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
-from workers import celery_app
+from workers import celery_app, metrics
 from workers.etcd_store import EtcdStoreError, LeaderElection, NodeAdmin, NodeRegistry, SequenceRegistry
-from workers.runtime import WALL
+from workers.runtime import WALL, log_context
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +68,18 @@ class Monitor:
                 if not self.leader:
                     if await self.election.try_acquire():
                         self.leader = True
+                        metrics.MONITOR_LEADER.set(1)
                         log.info("monitor %s is the leader", self.identity)
                         self.verdicts = {k: str(v.get("state")) for k, v in (await self.admin.all()).items()}
+                        for n in self.config.nodes():
+                            metrics.set_node_state(n.name, self.verdicts.get(n.name, "active"))
                         self.consumer = self._consumer()
                         consume = asyncio.create_task(self.consumer.run())
                         check = asyncio.create_task(self._check_loop())
                 elif not await self.election.keep():
                     log.warning("monitor %s lost the leadership", self.identity)
                     self.leader = False
+                    metrics.MONITOR_LEADER.set(0)
                     await self._step_down(consume, check)
                     consume = check = None
             except EtcdStoreError as e:  # etcd restarting or without quorum: keep trying
@@ -122,6 +126,7 @@ class Monitor:
                 ev.node, ev.ts_ms, xid_errors=ev.xid_errors, ecc_errors=ev.ecc_errors,
                 nvlink_crc_errors=ev.nvlink_crc_errors, temp_c=ev.temp_c, avg_latency_ms=ev.avg_latency_ms,
             ))
+            metrics.HEALTH_SCORE.labels(ev.node).set(verdict.score)
             if verdict.changed and verdict.draining:
                 await self._act(ev.node, "draining", f"health {verdict.score:.2f}: {', '.join(verdict.reasons)}",
                                 {"score": verdict.score})
@@ -183,14 +188,20 @@ class Monitor:
         task = celery_app.send("drain_node", node)
         self.last_drain[node] = now
         self.actions += 1
-        log.warning("node %s marked %s (%s); drain task %s", node, state, reason, task.id)
+        metrics.FAILOVER_ACTIONS.labels(state).inc()
+        metrics.set_node_state(node, state)
+        with log_context(node=node, rack=self.config.rack_of(node)):
+            log.warning("node %s marked %s (%s); drain task %s", node, state, reason, task.id)
         await self._decision(node, state, reason, scores, now)
 
     async def _clear(self, node: str, reason: str) -> None:
         now = WALL.now_ms()
         await self.admin.clear(node)
         self.verdicts.pop(node, None)
-        log.info("node %s back in service (%s)", node, reason)
+        metrics.FAILOVER_ACTIONS.labels("active").inc()
+        metrics.set_node_state(node, "active")
+        with log_context(node=node, rack=self.config.rack_of(node)):
+            log.info("node %s back in service (%s)", node, reason)
         await self._decision(node, "active", reason, {}, now)
 
     async def _decision(self, node: str, state: str, reason: str, scores: dict[str, float], now: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 
 from pipeline.config import RackflowConfig
@@ -19,11 +20,11 @@ from pipeline.routing.registry import ROUTER_POLICIES, lookup
 from pipeline.routing.views import RackView
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
-from workers import metrics
+from workers import metrics, tracing
 from workers.cluster_view import ClusterView
 from workers.etcd_store import NodeRegistry
 from workers.results import ResultWriter
-from workers.runtime import WALL, consumer_name
+from workers.runtime import WALL, consumer_name, log_context
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,11 @@ class Router:
                 seen = dict(views)
             if decision.rack is None:
                 errors.append(error_result(req, f"no healthy rack serves model {req.model!r}; retry later"))
+                with log_context(request_id=req.request_id):
+                    log.warning("request %s: no healthy rack serves model %s after %.1fs; answered with an error",
+                                req.request_id, req.model, waited)
+                if req.trace and tracing.TRACER is not None:
+                    tracing.hop("router.route", req, now, error="no healthy rack")
                 continue
             rack = decision.rack
             views[rack] = dataclasses.replace(views[rack], load=views[rack].load + 1.0)
@@ -106,6 +112,9 @@ class Router:
             changes: dict[str, object] = {"rack": rack, "routed_ms": now}
             if prefix_cache != req.prefix_cache:
                 changes["prefix_cache"] = prefix_cache
+            if req.trace and tracing.TRACER is not None:  # the next hop's parent is this hop's span
+                changes["trace"] = tracing.hop("router.route", req, now, rack=rack,
+                                               affinity="kept" if kept else "walked")
             out.append((keys.rack_requests(rack), codec.with_overlay(d.fields, **changes)))
             ids.append(req.request_id)
             choices.append(rack)
@@ -130,6 +139,7 @@ class Router:
         while not stop.is_set():
             try:
                 await self.view.refresh(with_backlog=True)
+                self._export_metrics()
             except Exception as e:
                 log.warning("router: cluster view refresh failed: %s", e)
             try:
@@ -137,7 +147,14 @@ class Router:
             except TimeoutError:
                 pass
 
+    def _export_metrics(self) -> None:
+        for rack, v in self.view.rack_views(WALL.now_ms()).items():
+            metrics.RACK_LOAD.labels(rack).set(v.load)
+            metrics.RACK_HEALTHY.labels(rack).set(1.0 if v.healthy else 0.0)
+
     async def run(self, stop: asyncio.Event) -> int:
+        # the config in force, for `rackflow replay export` (an incident file carries the config it ran under)
+        await self.r.set(keys.CONFIG, json.dumps(self.config.model_dump(mode="json")))
         await self.view.refresh(with_backlog=True)
         refresh = asyncio.create_task(self._refresh_loop(stop))
         consume = asyncio.create_task(self.consumer.run())
