@@ -60,9 +60,33 @@ except ImportError:  # pragma: no cover - hiredis is a dependency
     FAST_CONNECTION = None
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def is_cluster_url(url: str) -> bool:
+    """`redis+cluster://HOST:PORT` (or `rediss+cluster://`) names a Redis/Valkey Cluster through one seed node."""
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def plain_url(url: str) -> str:
+    """The URL without the `+cluster` marker (what redis-py's clients parse)."""
+    return url.replace("+cluster://", "://", 1) if is_cluster_url(url) else url
+
+
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     """An asyncio client that retries transient failures with jittered exponential backoff (and packs commands
-    with hiredis on plain TCP connections)."""
+    with hiredis on plain TCP connections). A `redis+cluster://` URL gives a cluster client (same interface:
+    every multi-key command rackflow sends keeps its keys in one slot, see `streams.keys`)."""
+    if is_cluster_url(url):
+        from redis.asyncio.cluster import RedisCluster
+
+        kwargs.pop("connection_class", None)
+        cluster = RedisCluster.from_url(
+            plain_url(url),
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=8),
+            **{k: v for k, v in kwargs.items() if k not in ("health_check_interval",)},
+        )
+        return cluster  # type: ignore[return-value]
     if FAST_CONNECTION is not None and url.startswith("redis://") and "connection_class" not in kwargs:
         kwargs["connection_class"] = FAST_CONNECTION
     return aioredis.Redis.from_url(

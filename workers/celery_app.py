@@ -58,9 +58,29 @@ _state: dict[str, Any] = {}
 T = TypeVar("T")
 
 
+BROKER_ENV = "RACKFLOW_CELERY_BROKER_URL"
+
+
+def broker_url(redis_url: str) -> str:
+    """Celery's broker and result backend: env RACKFLOW_CELERY_BROKER_URL, else the streams' Redis. Celery's Redis
+    transport (kombu) cannot use Redis Cluster, so with a `redis+cluster://` streams URL a separate single
+    Valkey/Redis (or Sentinel) URL must be given; say so instead of failing later inside kombu."""
+    import os
+
+    from streams.runner import is_cluster_url
+
+    url = os.environ.get(BROKER_ENV) or redis_url
+    if is_cluster_url(url):
+        raise ValueError(
+            f"Celery (kombu) cannot use a Redis Cluster as its broker ({url.split('@')[-1]}); set {BROKER_ENV} to a "
+            "single Valkey/Redis, e.g. redis://broker-host:6379/0 (the streams stay on the cluster)"
+        )
+    return url
+
+
 def configure(config: RackflowConfig, redis_url: str, etcd_url: str) -> Celery:
-    app.conf.broker_url = redis_url
-    app.conf.result_backend = redis_url
+    app.conf.broker_url = broker_url(redis_url)
+    app.conf.result_backend = app.conf.broker_url
     _state.update(config=config, redis_url=redis_url, etcd_url=etcd_url)
     return app
 

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.config import RackflowConfig
 from pipeline.events import RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
+from streams.runner import connect, is_cluster_url
 from workers.auth import Authenticator, AuthError, Principal
 from workers.gateway import Gateway, RequestRejected
 from workers.openai_api import (
@@ -571,11 +572,14 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        pool = aioredis.BlockingConnectionPool.from_url(
-            redis_url, max_connections=config.gateway.redis_max_connections, timeout=REDIS_POOL_WAIT_S,
-            socket_connect_timeout=5,
-        )
-        r = aioredis.Redis(connection_pool=pool)
+        if is_cluster_url(redis_url):  # a cluster client keeps a pool per node
+            r = connect(redis_url, max_connections=config.gateway.redis_max_connections, socket_connect_timeout=5)
+        else:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                redis_url, max_connections=config.gateway.redis_max_connections, timeout=REDIS_POOL_WAIT_S,
+                socket_connect_timeout=5,
+            )
+            r = aioredis.Redis(connection_pool=pool)
         api.attach(Gateway(config, r))
         await jobs_api.start(r)
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")

@@ -168,7 +168,17 @@ class StreamStatsCollector(Collector):
         import redis
 
         self.streams = list(streams)
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        from streams.runner import is_cluster_url, plain_url
+
+        self.client: Any
+        if is_cluster_url(redis_url):
+            from redis.cluster import RedisCluster
+
+            self.client = RedisCluster.from_url(plain_url(redis_url), socket_timeout=timeout_s,
+                                                socket_connect_timeout=timeout_s)
+        else:
+            self.client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s,
+                                               socket_connect_timeout=timeout_s)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         yield from self._families()

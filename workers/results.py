@@ -143,18 +143,17 @@ class ResultWriter:
                 expiring.add(ev.request_id)
         encoded = [codec.encode(r) for r in results]
         for r, f in zip(results, encoded, strict=True):
-            await self._script(  # on a pipeline this queues the EVALSHA (redis.asyncio scripts are coroutines)
-                keys=[keys.result_done(r.request_id), keys.RESULTS],
-                args=[r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"]],
-                client=pipe,
-            )
+            # A cluster pipeline refuses EVALSHA (the script may not be loaded on every node): EVAL with the
+            # body, routed by its keys' slot ({rf:results}).
+            pipe.execute_command("EVAL", _FINAL_LUA, 2, keys.result_done(r.request_id), keys.RESULTS,
+                                 r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"])
         replies = await pipe.execute()
         written = [bool(x) for x in replies[len(tokens) + len(expiring):]]
         pipe = self.r.pipeline(transaction=False)
         for r, f, w in zip(results, encoded, written, strict=True):
             if w and r.status == "ok":
-                await self._ewma(keys=[keys.user_out_ewma(r.tenant, r.user_id)],
-                                 args=[r.out_tokens, self.ewma_alpha, self.ewma_ttl_s], client=pipe)
+                pipe.execute_command("EVAL", _EWMA_LUA, 1, keys.user_out_ewma(r.tenant, r.user_id),
+                                     r.out_tokens, self.ewma_alpha, self.ewma_ttl_s)
             elif not w:
                 log.info("request %s v%d: final result already written; duplicate dropped", r.request_id, r.version)
             out = keys.request_out(r.request_id)

@@ -9,12 +9,11 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import BatchEvent, RequestEvent, ResultEvent
 from pipeline.profiling import ProfileInput
 from streams import codec, keys
+from streams.runner import connect
 from workers.gateway import Gateway
 from workers.runtime import WALL
 
@@ -45,7 +44,7 @@ def inputs(n: int, seed: int = 1, max_out: int = 24) -> list[ProfileInput]:
 
 
 async def submit(config: RackflowConfig, redis_url: str, items: list[ProfileInput]) -> list[RequestEvent]:
-    r = aioredis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     try:
         gw = Gateway(config, r)
         out: list[RequestEvent] = []
@@ -57,7 +56,7 @@ async def submit(config: RackflowConfig, redis_url: str, items: list[ProfileInpu
 
 
 async def results(redis_url: str) -> tuple[dict[str, ResultEvent], Counter[str]]:
-    r = aioredis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     try:
         entries = await r.xrange(keys.RESULTS)
     finally:
@@ -82,7 +81,7 @@ async def wait_results(redis_url: str, ids: set[str], timeout_s: float) -> tuple
 
 
 async def batches(redis_url: str, node: str) -> list[tuple[str, BatchEvent]]:
-    r = aioredis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     try:
         entries = await r.xrange(keys.node_batches(node))
     finally:
@@ -96,7 +95,7 @@ async def batches(redis_url: str, node: str) -> list[tuple[str, BatchEvent]]:
 
 
 async def read_stream(redis_url: str, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    r = aioredis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     try:
         return await r.xrange(stream)
     finally:
