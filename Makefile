@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 RF     := $(VENV)/bin/rackflow
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast chaos lint bench services-up services-down clean
+.PHONY: run test test-fast chaos test-cluster lint bench services-up services-down clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rackflow needs Python >= 3.11, found " + sys.version' 
@@ -31,6 +31,9 @@ test-fast: $(STAMP)
 # kill -9 / restart tests only (they are part of `make test` too)
 chaos: $(STAMP)
 	$(PY) -m pytest -q -m chaos tests/chaos
+
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -m cluster tests/cluster
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline streams workers tests

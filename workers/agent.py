@@ -25,7 +25,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import aetcd
 import aetcd.exceptions as aex
 import redis.asyncio as aioredis
 
@@ -34,7 +33,7 @@ from pipeline.events import HealthEvent
 from streams import codec, keys
 from streams.runner import connect
 from workers import metrics
-from workers.etcd_store import EtcdStoreError, _translate, parse_etcd_url
+from workers.etcd_store import EtcdStoreError, _translate, etcd_client
 from workers.nvml_source import NvmlSource, NvmlUnavailable
 from workers.runtime import WALL
 from workers.sim_source import SimGpuSource, worker_status
@@ -90,9 +89,8 @@ class AgentHeartbeat:
 
     def __init__(self, etcd_url: str, node: str, info: dict[str, Any], ttl_s: int = HEARTBEAT_TTL_S,
                  refresh_s: float = HEARTBEAT_REFRESH_S) -> None:
-        host, port = parse_etcd_url(etcd_url)
         # a call that hangs longer than the TTL is no use to a heartbeat
-        self.client = aetcd.Client(host=host, port=port, timeout=max(1, ttl_s))
+        self.client = etcd_client(etcd_url, timeout=max(1, ttl_s))
         self.node = node
         self.key = keys.etcd_heartbeat(node).encode()
         self.info = info

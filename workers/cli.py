@@ -35,6 +35,13 @@ def _config_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _endpoints(args: argparse.Namespace) -> tuple[str, str]:
     from workers.services import resolve_endpoints
 
@@ -410,6 +417,9 @@ class _LocalCluster:
             agent_source=getattr(args, "agent_source", "sim"),
             flower_port=flower,
             metrics=getattr(args, "metrics", False),
+            routers=getattr(args, "routers", 1),
+            batchers_per_rack=getattr(args, "batchers_per_rack", None),
+            gateways=getattr(args, "gateways", 1),
         )
 
     def start(self) -> None:
@@ -437,12 +447,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         n = len(cluster.procs.procs)
         fo = "" if args.no_failover else (f", {len(cluster.config.nodes())} health agents, monitor, celery worker"
                                           ", flower")
-        print(f"rackflow up: {n} processes (router, {len(cluster.config.rack_names())} batchers, "
-              f"{len(cluster.config.nodes())} workers, gateway{fo}); redis {cluster.redis_url} "
-              f"etcd {cluster.etcd_url}")
+        routers = sum(p.role == "router" for p in cluster.procs.procs)
+        batchers = sum(p.role == "batcher" for p in cluster.procs.procs)
+        gateways = sum(p.role == "gateway" for p in cluster.procs.procs)
+        print(f"rackflow up: {n} processes ({routers} router(s), {batchers} batchers for "
+              f"{len(cluster.config.rack_names())} racks, {len(cluster.config.nodes())} workers, {gateways} "
+              f"gateway(s){fo}); redis {cluster.redis_url} etcd {cluster.etcd_url}")
         procs = cluster.procs
         auth = "OFF (local run: set RACKFLOW_JWT_SECRET to require JWTs)" if procs.gateway_no_auth else "JWT"
-        print(f"gateway http://{cluster.config.gateway.host}:{procs.gateway_port}/v1  auth: {auth}", flush=True)
+        ports = [p.metrics_port or 0 for p in procs.procs if p.role == "gateway"] or [procs.gateway_port]
+        for port in ports:
+            print(f"gateway http://{cluster.config.gateway.host}:{port}/v1  auth: {auth}", flush=True)
         if procs.flower_port is not None:
             print(f"flower  http://127.0.0.1:{procs.flower_port}/  (API enabled for local use)", flush=True)
         if args.metrics:
@@ -589,8 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML merged over the config directory (keys gpus, models, cluster, policies); repeatable")
     p.add_argument("--redis-url", default=None, help="existing Redis/Valkey (default: env RACKFLOW_REDIS_URL, "
                    "else the embedded services)")
-    p.add_argument("--etcd-url", default=None, help="existing etcd, http://HOST:PORT (default: env "
-                   "RACKFLOW_ETCD_URL, else the embedded services)")
+    p.add_argument("--etcd-url", default=None, help="existing etcd, http://HOST:PORT, or the members of one "
+                   "cluster comma-separated, http://H1:P1,http://H2:P2,... (default: env RACKFLOW_ETCD_URL, else "
+                   "the embedded services)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-json", action="store_true", help="log one JSON object per line (also "
                    "RACKFLOW_LOG_JSON=1 or policies.observability.log_json); role processes started by this "
@@ -687,6 +703,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Flower's port (its API is enabled); default 5555, or a free port when 5555 is taken")
     s.add_argument("--metrics", action="store_true", help="every role serves Prometheus /metrics on a free port; "
                    "the targets are written to .rackflow/up/prometheus-targets.json (file_sd format)")
+    s.add_argument("--routers", type=_positive, default=1, help="router processes (one consumer group; default 1)")
+    s.add_argument("--batchers-per-rack", type=_positive, default=None,
+                   help="batcher processes per rack (default: policies.batcher.consumers_per_rack)")
+    s.add_argument("--gateways", type=_positive, default=1,
+                   help="HTTP gateways, on --gateway-port, +1, ... (default 1)")
     s.set_defaults(fn=cmd_up)
 
     s = sub.add_parser("demo", help="run the local cluster on the Azure conversation trace and report")

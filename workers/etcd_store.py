@@ -3,6 +3,13 @@
 Owns the translation of `aetcd` calls and errors into rackflow's: a node registers `/rackflow/nodes/{id}` under a
 lease it keeps alive, so a worker killed with -9 disappears from the registry when its lease expires; readers list
 the registered nodes with their state. Library errors become EtcdUnavailable (retryable) or EtcdStoreError.
+
+An etcd URL names one endpoint (`http://HOST:PORT`) or several members of one cluster, comma-separated
+(`http://h1:p1,http://h2:p2,http://h3:p3`). With several, `etcd_client` returns a `FailoverClient`: it talks to one
+member at a time and, when that member is unreachable, times out or has no leader, moves on to the next and retries
+the call (bounded); leases are cluster-wide, so a lease's keep-alive simply continues on the next member. When no
+member answers (quorum lost: a majority is down), a call fails within about `retry_s` + `timeout` seconds with
+EtcdUnavailable naming the endpoints it tried. Reads are linearizable, so they fail without a quorum too.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -17,6 +25,7 @@ from urllib.parse import urlparse
 
 import aetcd
 import aetcd.exceptions as aex
+import aetcd.leases
 
 from streams import keys
 from streams.errors import RackflowError
@@ -35,22 +44,239 @@ class EtcdUnavailable(EtcdStoreError):
 
 
 def _translate(e: Exception) -> EtcdStoreError:
+    if isinstance(e, EndpointsExhausted):
+        return EtcdUnavailable(str(e))
     if isinstance(e, aex.ConnectionFailedError | aex.ConnectionTimeoutError | aex.InternalError):
         return EtcdUnavailable(f"etcd unavailable: {type(e).__name__}: {e}")
     return EtcdStoreError(f"etcd error: {type(e).__name__}: {e}")
 
 
 def parse_etcd_url(url: str) -> tuple[str, int]:
+    """The one endpoint of `url` (`http://HOST:PORT`); a list of several is refused (see parse_etcd_urls)."""
+    if "," in url:
+        raise ValueError(f"etcd URL {url!r} names several endpoints; use parse_etcd_urls / etcd_client for it")
     u = urlparse(url if "://" in url else f"http://{url}")
     if not u.hostname or not u.port:
         raise ValueError(f"etcd URL {url!r} must look like http://HOST:PORT")
     return u.hostname, u.port
 
 
+def parse_etcd_urls(url: str) -> list[tuple[str, int]]:
+    """The endpoints of `url`: one `http://HOST:PORT`, or several comma-separated (`http://h1:p1,http://h2:p2`,
+    the scheme optional on each), in order and without repeats."""
+    out: list[tuple[str, int]] = []
+    for part in url.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        ep = parse_etcd_url(part)
+        if ep not in out:
+            out.append(ep)
+    if not out:
+        raise ValueError(f"etcd URL {url!r} names no endpoint; expected http://HOST:PORT[,http://HOST:PORT...]")
+    return out
+
+
+class EndpointsExhausted(aex.ConnectionFailedError):
+    """No endpoint of a multi-endpoint etcd URL answered a call: the cluster has lost its quorum, or every listed
+    member is unreachable. An aetcd ConnectionFailedError, so every `except aex.ClientError` translates it."""
+
+
+class _LeaderRequiredClient(aetcd.Client):
+    """An aetcd.Client whose calls carry `hasleader: true` (etcd's WithRequireLeader): a member that has no leader
+    (no quorum, or an election in progress) refuses at once with `etcdserver: no leader` instead of holding the
+    call until its deadline, so the failover client moves on to another member, or gives up, quickly."""
+
+    async def connect(self) -> None:
+        await super().connect()
+        if self.metadata is None:  # set by connect() only with username/password auth
+            self.metadata = (("hasleader", "true"),)
+
+
+# Reconnect to a restarted member within about a second (gRPC's default backoff grows to 2 minutes).
+_GRPC_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.min_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
+
+class FailoverClient:
+    """The calls of aetcd.Client that rackflow uses, over several members of one etcd cluster.
+
+    Calls go to the current member. One that fails with ConnectionFailedError (refused, `no leader`) or
+    ConnectionTimeoutError makes the next member current and is retried there (each retry waits at most
+    `failover_timeout_s` for its answer); after a round over every member without an answer it waits (0.1 s,
+    doubling to 1 s) and starts another round, until `retry_s` has passed since the call began: then it raises
+    EndpointsExhausted listing each endpoint's last error. Any other error (bad
+    argument, precondition) is raised at once. A retried write may have been applied by the member that timed out:
+    puts and deletes are idempotent, compare-and-swap transactions then fail their compare, and a lease granted
+    twice leaves one unused lease that expires by itself.
+
+    `lease()` returns leases bound to this client, so `Lease.refresh()` / `revoke()` fail over as well: lease ids
+    are cluster-wide, and a keep-alive continues on whichever member is current. Attributes not wrapped here (watch,
+    lock, ...) are those of the current member's client, without failover.
+    """
+
+    def __init__(self, endpoints: list[tuple[str, int]], timeout: int = 5, retry_s: float = 4.0,
+                 failover_timeout_s: float = 2.0) -> None:
+        if not endpoints:
+            raise ValueError("FailoverClient needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self.retry_s = retry_s
+        self.failover_timeout_s = min(float(timeout), failover_timeout_s)
+        """Deadline of the attempts after a call's first failure (the first has `timeout`): a follower that still
+        believes in a dead leader holds a write until its deadline, and the election that ends this takes ~1-2 s."""
+        self._clients = [_LeaderRequiredClient(host=h, port=p, timeout=timeout, options=dict(_GRPC_OPTIONS))
+                         for h, p in self.endpoints]
+        self._current = 0
+        self.transactions = self._clients[0].transactions
+        self.switches = 0
+        """How many times the current endpoint changed (tests and logs)."""
+        self._answering = True
+
+    @property
+    def endpoint(self) -> str:
+        """URL of the member calls go to now."""
+        return self._url(self._current)
+
+    def _url(self, i: int) -> str:
+        h, p = self.endpoints[i]
+        return f"http://{h}:{p}"
+
+    async def _call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        n = len(self._clients)
+        start = time.monotonic()
+        deadline = start + self.retry_s
+        tried: dict[str, str] = {}
+        attempts = 0
+        delay = 0.1
+        while True:
+            first = self._current
+            for k in range(n):
+                i = (first + k) % n
+                # the cluster is in trouble (this call or the last one failed somewhere): do not wait the full
+                # timeout on each member
+                limit = self.failover_timeout_s if attempts or not self._answering else None
+                try:
+                    result = await asyncio.wait_for(getattr(self._clients[i], op)(*args, **kwargs), limit)
+                except TimeoutError:
+                    e = aex.ConnectionTimeoutError(f"no answer within {limit or self.timeout:g}s")
+                    attempts += 1
+                    tried[self._url(i)] = f"{type(e).__name__}: {e}"
+                    self._moved_off(i, e)
+                    continue
+                except (aex.ConnectionFailedError, aex.ConnectionTimeoutError) as e:
+                    attempts += 1
+                    tried[self._url(i)] = f"{type(e).__name__}: {str(e)[:160]}"
+                    self._moved_off(i, e)
+                    continue
+                if not self._answering:
+                    self._answering = True
+                    log.info("etcd endpoint %s answers (after %d failed attempts of this call)", self._url(i),
+                             attempts)
+                return result
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EndpointsExhausted(
+                    f"etcd unavailable: no endpoint answered {op} in {time.monotonic() - start:.1f}s "
+                    f"({attempts} attempts): quorum lost (a majority of the members down or cut off) or every "
+                    "endpoint unreachable; tried " + "; ".join(f"{u} ({why})" for u, why in tried.items())
+                )
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 1.0)
+
+    def _moved_off(self, i: int, e: Exception) -> None:
+        if self._current != i:  # another call has moved on already
+            return
+        self._current = (i + 1) % len(self._clients)
+        self.switches += 1
+        # one warning per outage, not one per member and retry round
+        log.log(logging.WARNING if self._answering else logging.DEBUG,
+                "etcd endpoint %s failed (%s: %s); now using %s", self._url(i), type(e).__name__, str(e)[:160],
+                self._url(self._current))
+        self._answering = False
+
+    # -- the wrapped calls --------------------------------------------------------------------------------------
+    async def get(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("get", *args, **kwargs)
+
+    async def get_prefix(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("get_prefix", *args, **kwargs)
+
+    async def get_range(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("get_range", *args, **kwargs)
+
+    async def get_all(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("get_all", *args, **kwargs)
+
+    async def put(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("put", *args, **kwargs)
+
+    async def delete(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("delete", *args, **kwargs)
+
+    async def delete_prefix(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("delete_prefix", *args, **kwargs)
+
+    async def delete_range(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("delete_range", *args, **kwargs)
+
+    async def replace(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("replace", *args, **kwargs)
+
+    async def transaction(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("transaction", *args, **kwargs)
+
+    async def lease(self, ttl: int, lease_id: int | None = None) -> aetcd.leases.Lease:
+        got = await self._call("lease", ttl, lease_id)
+        return aetcd.leases.Lease(lease_id=got.id, ttl=got.ttl, etcd_client=self)
+
+    async def revoke_lease(self, lease_id: int) -> Any:
+        return await self._call("revoke_lease", lease_id)
+
+    async def refresh_lease(self, lease_id: int) -> Any:
+        return await self._call("refresh_lease", lease_id)
+
+    async def get_lease_info(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._call("get_lease_info", *args, **kwargs)
+
+    async def status(self) -> Any:
+        return await self._call("status")
+
+    def __getattr__(self, name: str) -> Any:  # only for what is not wrapped above
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._clients[self._current], name)
+
+    async def close(self) -> None:
+        for c in self._clients:
+            try:
+                await c.close()
+            except Exception as e:
+                log.debug("etcd close %s: %s", c, e)
+
+    async def __aenter__(self) -> FailoverClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def etcd_client(url: str, timeout: int = 5) -> Any:
+    """A client for `url`: an aetcd.Client for one endpoint (unchanged single-server behaviour), a FailoverClient
+    for a comma-separated list of several members of one cluster."""
+    endpoints = parse_etcd_urls(url)
+    if len(endpoints) == 1:
+        host, port = endpoints[0]
+        return aetcd.Client(host=host, port=port, timeout=timeout)
+    return FailoverClient(endpoints, timeout=timeout)
+
+
 class NodeRegistry:
     def __init__(self, url: str, ttl_s: int = 3) -> None:
-        host, port = parse_etcd_url(url)
-        self.client = aetcd.Client(host=host, port=port, timeout=5)
+        self.client = etcd_client(url)
         self.ttl_s = ttl_s
         self._lease: Any = None
         self._keepalive: asyncio.Task[None] | None = None
@@ -414,7 +640,3 @@ class LeaderElection:
                 log.warning("monitor %s: resign failed: %s", self.identity, e)
             self._lease = None
 
-
-def etcd_client(url: str) -> aetcd.Client:
-    host, port = parse_etcd_url(url)
-    return aetcd.Client(host=host, port=port, timeout=5)

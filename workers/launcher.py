@@ -1,4 +1,5 @@
-"""Starts and stops the role processes of a local cluster: one router, a batcher per rack, a worker per node.
+"""Starts and stops the role processes of a local cluster: a router, a batcher per rack, a worker per node (more
+routers, batchers per rack and gateways on request: each set shares one consumer group).
 
 Each role is its own OS process (`python -m workers.cli <role> ...`) with its log under `<state>/logs/`. Stopping
 sends SIGTERM in pipeline order (router, batchers, workers), waits for a clean exit, then SIGKILLs stragglers.
@@ -51,14 +52,20 @@ class ClusterProcesses:
     """When set (and with_failover), start Flower on this port."""
     metrics: bool = False
     """Every role serves Prometheus /metrics on a free port of its own (RoleProcess.metrics_port)."""
+    routers: int = 1
+    """Router processes (one consumer group on rf:ingress: each request goes to one of them)."""
+    batchers_per_rack: int | None = None
+    """Batcher processes per rack (one consumer group per rack); None: policies.batcher.consumers_per_rack."""
+    gateways: int = 1
+    """HTTP gateways (with_gateway): gateway k listens on gateway_port + k (every one on a free port when 0)."""
     procs: list[RoleProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.gateway_port is None:
             self.gateway_port = self.config.gateway.port
 
-    def _spawn(self, role: str, name: str, extra: list[str]) -> RoleProcess:
-        """Start `python -m workers.cli <role> ...`; the celery role runs `celery-worker`."""
+    def _spawn(self, role: str, name: str, extra: list[str], port: int | None = None) -> RoleProcess:
+        """Start `python -m workers.cli <role> ...`; the celery role runs `celery-worker`. `port`: a gateway's."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         metrics_port = None
@@ -68,7 +75,8 @@ class ClusterProcesses:
             metrics_port = free_port()
             extra = [*extra, "--metrics-port", str(metrics_port)]
         elif role == "gateway":
-            metrics_port = self.gateway_port or None  # 0: a free port the gateway picks (printed in its log)
+            # 0: a free port the gateway picks (printed in its log)
+            metrics_port = (self.gateway_port if port is None else port) or None
         cmd = [
             sys.executable, "-m", "workers.cli", *self.config_args,
             "--redis-url", self.redis_url, "--etcd-url", self.etcd_url, "--log-level", self.log_level,
@@ -95,14 +103,18 @@ class ClusterProcesses:
     def start(self) -> None:
         for node in self.config.nodes():
             self.start_worker(node.name)
+        per_rack = self.batchers_per_rack or self.config.policies.batcher.consumers_per_rack
         for rack in self.config.rack_names():
-            for k in range(self.config.policies.batcher.consumers_per_rack):
+            for k in range(per_rack):
                 self._spawn("batcher", f"batcher-{rack}" + (f"-{k}" if k else ""), ["--rack", rack])
-        self._spawn("router", "router", [])
+        for k in range(max(1, self.routers)):
+            self._spawn("router", "router" + (f"-{k}" if k else ""), [])
         if self.with_failover:
             self.start_failover()
         if self.with_gateway:
-            self.start_gateway()
+            for k in range(max(1, self.gateways)):
+                port = self.gateway_port + k if self.gateway_port else self.gateway_port
+                self.start_gateway("gateway" + (f"-{k}" if k else ""), port)
 
     def start_failover(self) -> None:
         for node in self.config.nodes():
@@ -124,7 +136,10 @@ class ClusterProcesses:
     def start_flower(self, port: int) -> RoleProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / "flower.log"
-        cmd = [sys.executable, "-m", "celery", "--broker", self.redis_url, "-A", "workers.celery_app", "flower",
+        from workers.celery_app import broker_url
+
+        cmd = [sys.executable, "-m", "celery", "--broker", broker_url(self.redis_url), "-A", "workers.celery_app",
+               "flower",
                f"--port={port}", "--address=127.0.0.1"]
         env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
         fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
@@ -137,11 +152,13 @@ class ClusterProcesses:
         self.procs.append(rp)
         return rp
 
-    def start_gateway(self) -> RoleProcess:
-        extra = ["--port", str(self.gateway_port)]
+    def start_gateway(self, name: str = "gateway", port: int | None = None) -> RoleProcess:
+        """An HTTP gateway on `port` (default: gateway_port); several may run, each on its own port."""
+        port = self.gateway_port if port is None else port
+        extra = ["--port", str(port)]
         if self.gateway_no_auth:
             extra.append("--no-auth")
-        return self._spawn("gateway", "gateway", extra)
+        return self._spawn("gateway", name, extra, port=port)
 
     def start_worker(self, node: str) -> RoleProcess:
         return self._spawn("worker", f"worker-{node}", ["--node", node, "--engine", self.engine])
