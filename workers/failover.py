@@ -143,6 +143,8 @@ async def migrate_sequence(ctx: FailoverContext, seq_id: str, version: int, src:
     entry = rec.entry if rec is not None else ""
     req = await _find_request(ctx, src, entry, seq_id)
     if req is None:
+        req = await _search_request(ctx, src, seq_id, rec.last_update_ts if rec else None)
+    if req is None:
         log.warning("sequence %s: its request is not in %s's stream; requeue instead", seq_id, src)
         return MigrationReport(seq_id, "missing", src, dst, version)
     if dst is None:
@@ -198,7 +200,7 @@ async def requeue_request(ctx: FailoverContext, seq_id: str, version: int, src: 
         return "already"
     req = await _find_request(ctx, src, rec.entry if rec else "", seq_id)
     if req is None:
-        req = await _find_in_pending(ctx, src, seq_id)
+        req = await _search_request(ctx, src, seq_id, rec.last_update_ts if rec else None)
     if req is None:
         return "missing"
     rack = req.rack or ctx.config.rack_of(src)
@@ -208,8 +210,14 @@ async def requeue_request(ctx: FailoverContext, seq_id: str, version: int, src: 
     return "requeued"
 
 
-async def _find_in_pending(ctx: FailoverContext, node: str, seq_id: str) -> RequestEvent | None:
-    for _eid, fields in await ctx.r.xrange(keys.node_batches(node)):
+async def _search_request(ctx: FailoverContext, node: str, seq_id: str,
+                          around_ms: float | None = None) -> RequestEvent | None:
+    """The request of `seq_id` when its record does not point at it (a move whose target died before claiming
+    it, a record written without its entry): the newest carrier in the node's batch stream (a BatchEvent, or the
+    ResumeEvent of an earlier move), else the request as the router placed it on the rack's stream. Bounded to
+    two minutes before the record's last update (a sequence is never older than its record's previous hop)."""
+    lo = "-" if around_ms is None else str(max(0, int(around_ms) - 120_000))
+    for _eid, fields in await ctx.r.xrevrange(keys.node_batches(node), max="+", min=lo, count=5000):
         try:
             ev = codec.decode(fields)
         except DecodeError:
@@ -218,6 +226,19 @@ async def _find_in_pending(ctx: FailoverContext, node: str, seq_id: str) -> Requ
             for q in ev.requests:
                 if q.request_id == seq_id:
                     return q
+        elif isinstance(ev, ResumeEvent) and ev.request.request_id == seq_id:
+            return ev.request
+    try:
+        rack = ctx.config.rack_of(node)
+    except (KeyError, ValueError):
+        return None
+    for _eid, fields in await ctx.r.xrevrange(keys.rack_requests(rack), max="+", min=lo, count=20000):
+        try:
+            ev = codec.decode(fields)
+        except DecodeError:
+            continue
+        if isinstance(ev, RequestEvent) and ev.request_id == seq_id:
+            return ev
     return None
 
 
