@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, DecisionEvent, ReleaseEvent, RequestEvent, ResultEvent, ResumeEvent, TokenEvent
 from pipeline.failover import LiveSequence, plan_migrations
+from pipeline.routing.views import NodeView
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import StreamProducer, connect
@@ -121,13 +122,20 @@ async def _views(ctx: FailoverContext) -> ClusterView:
     return view
 
 
-async def choose_target(ctx: FailoverContext, src: str, seq: LiveSequence) -> str | None:
+async def _targets(
+    ctx: FailoverContext, src: str
+) -> tuple[list[NodeView], list[NodeView], dict[str, frozenset[str]]]:
+    """What a move off `src` can go to: the nodes of its rack, the others, and the models each serves."""
     view = await _views(ctx)
     now = WALL.now_ms()
     rack = ctx.config.rack_of(src)
     same = view.node_views(now, rack)
     others = [v for r in ctx.config.rack_names() if r != rack for v in view.node_views(now, r)]
-    serves = {n.name: frozenset(n.models) for n in ctx.config.nodes()}
+    return same, others, {n.name: frozenset(n.models) for n in ctx.config.nodes()}
+
+
+async def choose_target(ctx: FailoverContext, src: str, seq: LiveSequence) -> str | None:
+    same, others, serves = await _targets(ctx, src)
     plan = plan_migrations(src, [seq], same, others, serves)
     return plan[0].dst if plan else None
 
@@ -328,12 +336,7 @@ class DrainPlan:
 async def plan_drain(ctx: FailoverContext, node: str) -> DrainPlan:
     records: list[SeqRecord] = await ctx.seqs.owned_by(node)
     recorded = {r.seq_id for r in records}
-    view = await _views(ctx)
-    now = WALL.now_ms()
-    rack = ctx.config.rack_of(node)
-    same = view.node_views(now, rack)
-    others = [v for r in ctx.config.rack_names() if r != rack for v in view.node_views(now, r)]
-    serves = {n.name: frozenset(n.models) for n in ctx.config.nodes()}
+    same, others, serves = await _targets(ctx, node)
     model = ctx.config.node(node).models[0]
     live = [LiveSequence(r.seq_id, r.version, model, 0.0) for r in records]
     plan = plan_migrations(node, live, same, others, serves)
