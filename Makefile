@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 RF     := $(VENV)/bin/rackflow
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast chaos test-cluster lint bench services-up services-down clean
+.PHONY: run test test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rackflow needs Python >= 3.11, found " + sys.version' 
@@ -35,10 +35,47 @@ chaos: $(STAMP)
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m cluster tests/cluster
 
+# fuzzing, durable restart, sustained overload (part of `make test` too)
+test-hardening: $(STAMP)
+	$(PY) -m pytest -q -m hardening tests/hardening
+
+# pip-audit checks the installed environment against PyPI's advisory data (the JSON API; OSV as fallback is not
+# used). Known vulnerabilities fail lint. Where no advisory service answers (offline, or a registry mirror without
+# PyPI's JSON API: every package comes back "not found on PyPI"), nothing was audited: lint says so plainly and
+# does not fail on it.
+define PIP_AUDIT_SUMMARY
+import json, sys
+report, log = sys.argv[1], sys.argv[2]
+try:
+    with open(report) as fh:
+        deps = json.load(fh)["dependencies"]
+except (OSError, ValueError, KeyError):
+    print("pip-audit: NOT RUN - it could not reach a vulnerability service (see " + log + "); lint does not fail on this")
+    sys.exit(0)
+vulns = [(d["name"], d["version"], v["id"], ", ".join(v.get("fix_versions") or []) or "-") for d in deps for v in d.get("vulns", [])]
+skipped = [d for d in deps if "skip_reason" in d]
+audited = len(deps) - len(skipped)
+for v in vulns:
+    print("pip-audit: %s %s: %s (fixed in: %s)" % v)
+if vulns:
+    print("pip-audit: %d known vulnerabilities in %d audited packages" % (len(vulns), audited))
+    sys.exit(1)
+if audited == 0:
+    print("pip-audit: NOTHING AUDITED - the advisory service did not know any of the %d installed packages "
+          "(no access to PyPI's JSON API from here: %s); lint does not fail on this" % (len(deps), skipped[0]["skip_reason"] if skipped else "no packages"))
+    sys.exit(0)
+print("pip-audit: %d packages audited, no known vulnerabilities (%d could not be audited)" % (audited, len(skipped)))
+endef
+export PIP_AUDIT_SUMMARY
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline streams workers tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	@rm -f $(VENV)/pip-audit.json; \
+	$(VENV)/bin/pip-audit --local --skip-editable --progress-spinner off --timeout 20 \
+	  -f json -o $(VENV)/pip-audit.json > $(VENV)/pip-audit.log 2>&1; \
+	$(PY) -c "$$PIP_AUDIT_SUMMARY" $(VENV)/pip-audit.json $(VENV)/pip-audit.log
 
 bench: $(STAMP)
 	$(RF) bench pipeline

@@ -415,7 +415,15 @@ class GatewayConfig(_Strict):
     max_ingress_backlog: int = Field(default=20_000, ge=1, le=100_000_000)
     """Requests waiting for the router (rf:ingress lag + pending) above which new requests get 429."""
     retry_after_s: int = Field(default=1, ge=1, le=3600)
-    """`Retry-After` of a 429."""
+    """`Retry-After` of a 429 for the ingress bound, and the least `Retry-After` of any 429/503."""
+    max_rack_queue: int = Field(default=2000, ge=1, le=100_000_000)
+    """Requests queued in a rack (its batcher's lag + pending on `rf:rack:{R}:req`, plus the requests waiting in
+    its nodes' engines) above which the rack is saturated: a new request gets 429 when the rack the router would
+    choose for it (affinity hash + bounded-load walk, predicted by the gateway) is saturated."""
+    max_retry_after_s: int = Field(default=30, ge=1, le=3600)
+    """Cap of the `Retry-After` computed from the queue ahead and the recent completion rate."""
+    saturation_refresh_ms: int = Field(default=200, ge=10, le=60_000)
+    """How often the gateway re-reads the rack queues (cached in between: no per-request reads)."""
     request_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
     """How long the gateway waits for a request's final result before answering with a timeout error."""
     max_n: int = Field(default=1, ge=1, le=1)

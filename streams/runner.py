@@ -6,8 +6,9 @@ The runner owns the read/ack/claim loop of one consumer in one group on one stre
   then the runner keeps them alive with XCLAIM JUSTID (resets idle time, not the delivery count);
 - on start it first re-reads its own pending entries (a restart under the same consumer name loses nothing);
 - XAUTOCLAIM of entries idle longer than `claim_idle_ms` (their consumer died, e.g. `kill -9`);
-- an entry that does not decode, or that was delivered more than `max_deliveries` times, goes to the dead-letter
-  stream with the reason and the original fields, and is acknowledged: a bad entry never stops a consumer;
+- an entry that does not decode, that is an event of a type the stream does not carry (`accepts`), or that was
+  delivered more than `max_deliveries` times, goes to the dead-letter stream with the reason and the original
+  fields, and is acknowledged: a bad entry never stops a consumer;
 - a handler error is retried entry by entry, so one poison entry cannot hold back the others of its batch;
 - `stop()` (SIGTERM) ends the loop after the current batch; deferred entries stay pending for a successor.
 It never decides what an event means: that is the handler's job.
@@ -216,6 +217,7 @@ class StreamConsumer:
         claim_idle_ms: int = 10_000,
         max_deliveries: int = 5,
         retention_ms: int = 86_400_000,
+        accepts: tuple[type[Any], ...] | None = None,
     ) -> None:
         self.r = r
         self.stream = stream
@@ -228,6 +230,8 @@ class StreamConsumer:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.retention_ms = retention_ms
+        self.accepts = accepts
+        """The event types this stream carries (None: any); a valid event of another type is a bad entry too."""
         self.stats = RunnerStats()
         self._stopping = asyncio.Event()
         self._deferred: set[str] = set()
@@ -391,6 +395,11 @@ class StreamConsumer:
                 event = codec.decode(fields)
             except DecodeError as e:
                 await self._dead_letter(entry_id, fields, str(e))
+                continue
+            if self.accepts is not None and not isinstance(event, self.accepts):
+                expected = ", ".join(c.TYPE for c in self.accepts)
+                await self._dead_letter(entry_id, fields, f"unexpected event type {event.TYPE!r} on {self.stream} "
+                                                          f"(expected: {expected})")
                 continue
             batch.append(Delivery(self.stream, entry_id, event, dict(fields), n))
         if gone:

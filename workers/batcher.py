@@ -55,7 +55,7 @@ class Batcher:
             self.r, keys.rack_requests(rack), keys.GROUP_BATCHER, self.actor,
             self._on_requests, now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=50,
             claim_idle_ms=pol.streams.claim_idle_ms, max_deliveries=pol.streams.max_deliveries,
-            retention_ms=retention_ms,
+            retention_ms=retention_ms, accepts=(RequestEvent,),
         )
         self._lock = asyncio.Lock()
         self._arrived = asyncio.Event()

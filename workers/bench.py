@@ -6,6 +6,7 @@
 - `profile`: the gateway's profiling step (Gateway.profile: validation, token estimate, memory estimate, prefix
   block hashes) on an 8,000-token prompt, in-process; prose, CJK and code prompts; p50/p99 in microseconds.
 - `route`: routing decisions (rack by affinity hash + node by policy) for 64 nodes in 8 racks, in-process.
+- `gateway`: the HTTP gateway under concurrent clients through the live pipeline (`workers/bench_gateway.py`).
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8
 def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> int:
     from workers.services import EmbeddedServices
 
-    if args.what in ("pipeline", "batching", "kv", "failover"):
+    if args.what in ("pipeline", "batching", "kv", "failover", "gateway"):
         services = None
         tmp = None
         if endpoints is None:
@@ -230,6 +231,11 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
 
                 res = bench_batching(endpoints[0], endpoints[1], requests=args.requests_batching,
                                      progress=not args.no_progress)
+            elif args.what == "gateway":
+                from workers.bench_gateway import bench_gateway
+
+                res = bench_gateway(endpoints[0], endpoints[1], clients=getattr(args, "clients", 32),
+                                    duration_s=getattr(args, "duration_s", 12.0), progress=not args.no_progress)
             elif args.what == "failover":
                 from workers.bench_failover import bench_failover
 

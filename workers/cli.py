@@ -56,9 +56,11 @@ def _endpoints(args: argparse.Namespace) -> tuple[str, str]:
 
 # -- services ------------------------------------------------------------------------------------------------------
 def cmd_services(args: argparse.Namespace) -> int:
+    import re
+
     from workers.services import EmbeddedServices, ServiceError
 
-    svc = EmbeddedServices(STATE_DIR)
+    svc = EmbeddedServices(STATE_DIR, durable=getattr(args, "durable", None), secure=getattr(args, "secure", False))
     if args.action == "up":
         try:
             ep = svc.start()
@@ -66,6 +68,13 @@ def cmd_services(args: argparse.Namespace) -> int:
             print(f"rackflow services up: {e}", file=sys.stderr)
             return 1
         print(f"valkey  {ep.redis_url}\netcd    {ep.etcd_url}\nstate   {STATE_DIR / 'services.json'}")
+        if svc.durable:
+            print(f"durable valkey: append-only file, appendfsync {svc.durable}, in {STATE_DIR / 'valkey'} "
+                  "(kept: the next `services up --durable` reloads it)")
+        if svc.secure:
+            print(f"secure valkey: ACL users per role, default user off; ACL file {STATE_DIR / 'users.acl'}, each "
+                  f"role's URL (with its password) under role_urls in {STATE_DIR / 'services.json'} (both mode 0600): "
+                  f"{', '.join(sorted(svc.role_urls))}")
         print(f"export RACKFLOW_REDIS_URL={ep.redis_url} RACKFLOW_ETCD_URL={ep.etcd_url}")
         return 0
     if args.action == "down":
@@ -82,7 +91,8 @@ def cmd_services(args: argparse.Namespace) -> int:
             s = st.get(name) or {}
             if s.get("url"):
                 state = "healthy" if s.get("healthy") else ("alive, not answering" if s.get("alive") else "down")
-                print(f"{'valkey' if name == 'redis' else 'etcd':<7} {state:<10} {s.get('url')}  pid {s.get('pid')}")
+                url = re.sub(r"(//[^:/@]*:)[^@/]+@", r"\1***@", str(s.get("url")))  # --secure: no password shown
+                print(f"{'valkey' if name == 'redis' else 'etcd':<7} {state:<10} {url}  pid {s.get('pid')}")
     healthy = bool(st.get("running")) and all((st.get(n) or {}).get("healthy") for n in ("redis", "etcd"))
     return 0 if healthy else 1
 
@@ -616,6 +626,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("services", help="embedded Valkey + etcd on free loopback ports")
     s.add_argument("action", choices=["up", "down", "status"])
     s.add_argument("--json", action="store_true")
+    s.add_argument("--durable", nargs="?", const="always", default=None, choices=["always", "everysec"],
+                   help="up: Valkey with its append-only file on and this fsync policy (default always), data kept "
+                   "in .rackflow/valkey and reloaded on the next durable start. always: no acknowledged write is "
+                   "lost in a crash, each write waits for the disk; everysec: as fast as memory-only, a crash can "
+                   "lose the last ~1-2 s of acknowledged writes (accepted requests, result markers)")
+    s.add_argument("--secure", action="store_true",
+                   help="up: Valkey with one ACL user per role (rules of deploy/valkey/users.acl.example), a random "
+                   "password each, the default user off; per-role URLs go to .rackflow/services.json (role_urls)")
     s.set_defaults(fn=cmd_services)
 
     s = sub.add_parser("router", help="run the router (consumer group 'router' on rf:ingress)")
@@ -749,13 +767,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_perf)
 
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
-    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover"])
+    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover", "gateway"])
     s.add_argument("--requests", type=int, default=20_000, help="pipeline: requests in the flood")
     s.add_argument("--requests-batching", type=int, default=1500, help="batching: trace requests per variant")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--json", action="store_true")
     s.add_argument("--entries", type=int, default=20000, help="streams: entries per repeat")
     s.add_argument("--tokenizer", default=None, help="profile: count with this tokenizer.json (exact path)")
+    s.add_argument("--clients", type=int, default=32, help="gateway: concurrent HTTP clients")
+    s.add_argument("--duration-s", type=float, default=12.0, help="gateway: seconds per measured run (3 runs)")
     s.set_defaults(fn=cmd_bench)
     return p
 

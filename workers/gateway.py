@@ -2,13 +2,18 @@
 
 Every front end shares this: the HTTP gateway, the demo's trace replay and Celery jobs. It validates what the
 profile needs and never lets a request it cannot serve into the streams; it sheds load (RequestRejected with status
-429) when the router's backlog is over the configured bound; it reads a request's token stream `rf:out:{id}` until
-the final result. The exact token count comes from the model's `tokenizer.json` when the file exists locally.
+429 and a Retry-After) when the router's backlog is over its bound or when the rack the router would choose for the
+request is saturated (rack queue over `gateway.max_rack_queue`, read at most every `saturation_refresh_ms`); it reads a
+request's token stream `rf:out:{id}` until the final result. The exact token count comes from the model's
+`tokenizer.json` when the file exists locally.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
@@ -17,8 +22,11 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from pipeline.config import RackflowConfig
-from pipeline.events import RequestEvent, ResultEvent, TokenEvent
+from pipeline.events import HealthEvent, RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput, profile_request
+from pipeline.routing.rack_affinity import RackAffinityRouter
+from pipeline.routing.registry import ROUTER_POLICIES, lookup
+from pipeline.routing.views import RackView
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import StreamProducer
@@ -54,6 +62,18 @@ class Gateway:
         self.producer = StreamProducer(r, WALL.now_ms, config.policies.streams.retention_s * 1000)
         self._tokenizers: dict[str, Any] = {}
         self._backlog = (0.0, 0)  # (monotonic time read, value)
+        self._queues: dict[str, int] = {}
+        self._views: dict[str, RackView] = {}
+        rp = config.policies.router
+        self._rack_policy: RackAffinityRouter = lookup(ROUTER_POLICIES, "router", rp.policy)(
+            {m: config.racks_serving(m) for m in config.models}, rp.virtual_nodes, rp.load_bound, rp.load_slack
+        )
+        """The router's own rack policy: the gateway predicts the rack a request will go to (same hash ring, same
+        bounded-load walk over the same load figure: running + waiting of fresh nodes + the rack's backlog)."""
+        self._queues_t = -math.inf
+        self._queues_lock = asyncio.Lock()
+        self._done: collections.deque[tuple[float, int]] = collections.deque()
+        """(monotonic time, rf:results entries-added) samples of the last few seconds: the completion rate."""
 
     # -- tokenizers ----------------------------------------------------------------------------------------------
     def tokenizer(self, model: str) -> Any | None:
@@ -137,6 +157,78 @@ class Gateway:
         self._backlog = (now, value)
         return value
 
+    async def rack_queues(self) -> tuple[dict[str, int], dict[str, RackView]]:
+        """Requests queued per rack: its batcher group's lag + pending on `rf:rack:{R}:req` (waiting for a window or
+        for memory) plus the requests waiting in the engines of its nodes (from their fresh status); and the rack
+        views the router balances on. Read at most every `gateway.saturation_refresh_ms`; concurrent callers share
+        one read. RedisError when the store is down."""
+        refresh_s = self.config.gateway.saturation_refresh_ms / 1000.0
+        if time.monotonic() - self._queues_t < refresh_s:
+            return self._queues, self._views
+        async with self._queues_lock:
+            if time.monotonic() - self._queues_t < refresh_s:
+                return self._queues, self._views
+            self._queues, self._views = await self._read_queues()
+            self._queues_t = time.monotonic()
+        return self._queues, self._views
+
+    async def _read_queues(self) -> tuple[dict[str, int], dict[str, RackView]]:
+        queues: dict[str, int] = {}
+        running: dict[str, int] = {}
+        for rack in self.config.rack_names():
+            try:
+                groups = await self.r.xinfo_groups(keys.rack_requests(rack))
+            except aioredis.ResponseError:  # no stream yet
+                groups = []
+            q = 0
+            for g in groups:
+                if g.get("name") in (keys.GROUP_BATCHER, keys.GROUP_BATCHER.encode()):
+                    q = int(g.get("lag") or 0) + int(g.get("pending") or 0)
+            queues[rack] = q
+        now_ms = WALL.now_ms()
+        stale_ms = self.config.policies.node_selection.stale_ms
+        for node in self.config.nodes():
+            fields = await self.r.hgetall(keys.node_status(node.name))
+            if not fields:
+                continue
+            try:
+                ev = codec.decode(fields)
+            except DecodeError:
+                continue
+            if isinstance(ev, HealthEvent) and now_ms - ev.ts_ms <= stale_ms:
+                rack = self.config.rack_of(node.name)
+                queues[rack] = queues.get(rack, 0) + int(ev.waiting)
+                running[rack] = running.get(rack, 0) + int(ev.running)
+        try:
+            info = await self.r.xinfo_stream(keys.RESULTS)
+            added = info.get("entries-added")
+        except aioredis.ResponseError:
+            added = 0
+        if added is not None:
+            t = time.monotonic()
+            self._done.append((t, int(added)))
+            while len(self._done) > 2 and t - self._done[0][0] > 3.0:
+                self._done.popleft()
+        views = {rk: RackView(rk, rk in running, float(q + running.get(rk, 0))) for rk, q in queues.items()}
+        return queues, views
+
+    def completion_rate(self) -> float | None:
+        """Final results per second over the last ~3 s (None before two reads)."""
+        if len(self._done) < 2:
+            return None
+        (t0, a0), (t1, a1) = self._done[0], self._done[-1]
+        return (a1 - a0) / (t1 - t0) if t1 > t0 else None
+
+    def retry_after(self, queued: int, racks: int) -> int:
+        """Seconds until the queue ahead (`queued` requests in `racks` of the cluster's racks) drains at the recent
+        completion rate (the cluster's rate, this share of racks), within [retry_after_s, max_retry_after_s]."""
+        gw = self.config.gateway
+        rate = self.completion_rate()
+        share = racks / max(1, len(self.config.rack_names()))
+        if rate is None or rate * share <= 0:
+            return gw.max_retry_after_s
+        return max(gw.retry_after_s, min(gw.max_retry_after_s, math.ceil(queued / (rate * share))))
+
     async def admit(self, inp: ProfileInput) -> RequestEvent:
         """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload.
         With tracing on, the admission is the root span of the request's trace (`gateway.admit`)."""
@@ -158,6 +250,15 @@ class Gateway:
             raise RequestRejected(
                 f"the cluster is overloaded ({bound} requests already waiting for routing); retry later",
                 429, None, self.config.gateway.retry_after_s, code="overloaded",
+            )
+        queues, views = await self.rack_queues()
+        rack = self._rack_policy.route(req.user_id, req.model, views).rack if views else None
+        rack_bound = self.config.gateway.max_rack_queue
+        if rack is not None and queues.get(rack, 0) >= rack_bound:
+            # the router would queue it behind a full rack (its bounded-load walk found no rack with room)
+            raise RequestRejected(
+                f"rack {rack} is saturated ({queues[rack]} requests queued, bound {rack_bound}); retry later",
+                429, None, self.retry_after(queues[rack], 1), code="overloaded",
             )
         await self.producer.add(keys.INGRESS, req)
         return req

@@ -142,9 +142,9 @@ def _timeout(request_id: str, timeout_s: float) -> ApiError:
     )
 
 
-def _store_down(e: RedisError) -> ApiError:
+def _store_down(e: RedisError, retry_after_s: int = 1) -> ApiError:
     return ApiError(503, f"the gateway cannot reach its stream store; retry later ({type(e).__name__})",
-                    "store_unavailable")
+                    "store_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
 # -- metrics -----------------------------------------------------------------------------------------------------------
@@ -381,7 +381,7 @@ class _Api:
             raise _from_rejected(e) from None
         except RedisError as e:
             log.warning("request %s: cannot admit, stream store error: %s", inp.request_id, e)
-            raise _store_down(e) from None
+            raise _store_down(e, self.config.gateway.retry_after_s) from None
         log.debug("request %s admitted: tenant %s model %s in %d max %d", req.request_id, req.tenant, req.model,
                   req.in_tokens, req.max_tokens)
         return _Admitted(req, principal, int(time.time()), t0, body.streaming, body.include_usage)
@@ -553,7 +553,8 @@ class _Api:
         try:
             await asyncio.wait_for(self.gateway.r.ping(), HEALTH_TIMEOUT_S)
         except (RedisError, OSError, TimeoutError) as e:
-            return JSONResponse({"status": "unavailable", "reason": f"redis: {type(e).__name__}"}, status_code=503)
+            return JSONResponse({"status": "unavailable", "reason": f"redis: {type(e).__name__}"}, status_code=503,
+                                headers={"Retry-After": str(self.config.gateway.retry_after_s)})
         return JSONResponse({"status": "ok"})
 
 

@@ -101,7 +101,7 @@ class Monitor:
         return StreamConsumer(
             self.r, keys.HEALTH, "failover", self.identity, self._on_health, now_ms=WALL.now_ms, count=512,
             block_ms=sp.block_ms, claim_idle_ms=sp.claim_idle_ms, max_deliveries=sp.max_deliveries,
-            retention_ms=sp.retention_s * 1000,
+            retention_ms=sp.retention_s * 1000, accepts=(HealthEvent,),
         )
 
     async def _step_down(self, *tasks: asyncio.Task[None] | None) -> None:

@@ -58,7 +58,7 @@ class Router:
             self.r, keys.INGRESS, keys.GROUP_ROUTER, consumer_name("router"), self._on_requests,
             now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=pol.streams.block_ms,
             claim_idle_ms=pol.streams.claim_idle_ms, max_deliveries=pol.streams.max_deliveries,
-            retention_ms=retention_ms,
+            retention_ms=retention_ms, accepts=(RequestEvent,),
         )
         self.routed = 0
         self.serving = {m: config.racks_serving(m) for m in config.models}

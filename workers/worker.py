@@ -14,8 +14,14 @@ import asyncio
 import json
 import logging
 import os
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.batching.ledger import stream_id_key
 from pipeline.config import RackflowConfig
@@ -43,6 +49,8 @@ from workers.results import ResultWriter
 from workers.runtime import WALL, consumer_name, log_context
 
 log = logging.getLogger(__name__)
+OUTAGE_S = 120.0
+"""How long the engine loop keeps retrying its Redis writes through an outage before it gives up."""
 
 
 @dataclass(slots=True)
@@ -130,6 +138,7 @@ class Worker:
             claim_idle_ms=sp.claim_idle_ms,
             max_deliveries=sp.max_deliveries,
             retention_ms=self.retention_ms,
+            accepts=(BatchEvent, ResumeEvent),
         )
         self.live: dict[str, _Live] = {}
         self.batch_left: dict[str, set[str]] = {}
@@ -153,7 +162,7 @@ class Worker:
         self.control = StreamConsumer(
             self.r, keys.node_control(node), keys.GROUP_WORKER, consumer_name(f"worker-{node}"), self._on_control,
             now_ms=WALL.now_ms, count=64, block_ms=sp.block_ms, claim_idle_ms=sp.claim_idle_ms,
-            max_deliveries=sp.max_deliveries, retention_ms=self.retention_ms,
+            max_deliveries=sp.max_deliveries, retention_ms=self.retention_ms, accepts=(ReleaseEvent, CancelEvent),
         )
 
     # -- intake ------------------------------------------------------------------------------------------------
@@ -182,6 +191,10 @@ class Worker:
                     # cancelled before it started (a revoked job): its final result says so, it never runs
                     await self._write_cancelled(req, batch.batch_id, batch.created_ms, [], "cancelled before it "
                                                 "started")
+                    continue
+                refused = self._refusal(req) if rid not in self.live else ""
+                if refused:
+                    await self._write_refused(req, batch.batch_id, batch.created_ms, refused)
                     continue
                 live = self.live.get(rid)
                 if live is not None:
@@ -219,6 +232,11 @@ class Worker:
         if cancelled and rid not in self.live:
             await self._write_cancelled(req, f"resume:{ev.src}", now, list(ev.texts), "cancelled while moving")
             self.recorder.release([rid])  # the mover made this node its owner: the record goes with the request
+            return
+        refused = self._refusal(req) if rid not in self.live else ""
+        if refused:
+            await self._write_refused(req, f"resume:{ev.src}", now, refused)
+            self.recorder.release([rid])
             return
         live = self.live.get(rid)
         if live is not None:
@@ -293,6 +311,30 @@ class Worker:
                                     reason or "cancelled", live=live)
         log.info("request %s cancelled after %d tokens (%s)", rid, len(live.text), reason or "no reason given")
         return True
+
+    def _refusal(self, req: RequestEvent) -> str:
+        """Why this node cannot run `req` at all (empty: it can). Only sizes no gateway admits: an entry that
+        carries them (a hostile or corrupted one) would otherwise hold the engine for good (a prompt of 2**63
+        tokens sleeps a sim step forever; an output that never ends keeps its slot and memory)."""
+        spec = self.config.models.get(req.model)
+        if spec is None:
+            return f"model {req.model!r} is not configured"
+        if req.in_tokens < 0 or req.in_tokens + req.max_tokens > spec.context:
+            return (f"in_tokens {req.in_tokens} + max_tokens {req.max_tokens} do not fit the context of "
+                    f"{req.model} ({spec.context} tokens)")
+        return ""
+
+    async def _write_refused(self, req: RequestEvent, batch_id: str, batched_ms: float, reason: str) -> None:
+        """The final `error` result of a request this node refuses to run (exactly once)."""
+        log.warning("request %s refused: %s", req.request_id, reason)
+        result = ResultEvent(
+            request_id=req.request_id, version=req.version, tenant=req.tenant, user_id=req.user_id,
+            model=req.model, status="error", node=self.node, rack=self.rack, in_tokens=req.in_tokens, out_tokens=0,
+            arrival_ms=req.arrival_ms, finish_ms=WALL.now_ms(), batch_id=batch_id, error=f"refused: {reason}",
+            batched_ms=batched_ms, routed_ms=req.routed_ms,
+        )
+        if await self.results.write(result):
+            metrics.RESULTS.labels(self.node, "error").inc()
 
     async def _write_cancelled(self, req: RequestEvent, batch_id: str, batched_ms: float, texts: list[str],
                                reason: str, live: _Live | None = None) -> None:
@@ -420,14 +462,31 @@ class Worker:
             ))
         if not tokens and not results:
             return
-        await self.results.write_many(results, tokens)
+        await self._outage_safe("writing results", lambda: self.results.write_many(results, tokens))
         for span, out_tokens in spans:  # empty unless tracing is on
             tracing.end_span(span, out_tokens=out_tokens)
         if results:
             self.recorder.release([r.request_id for r in results])
             self._m_results.inc(len(results))
             self.completed += len(results)
-            await self._settle([r.request_id for r in results])
+            done_ids = [r.request_id for r in results]
+            await self._outage_safe("acknowledging batches", lambda: self._settle(done_ids))
+
+    async def _outage_safe(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """A Redis write of the engine loop outlives a Valkey outage (a restart, a failover): retried with backoff
+        for up to OUTAGE_S instead of killing the loop. Safe to repeat: final results are exactly-once by their
+        marker, a repeated token chunk is skipped by index at the gateway, an ack twice is an ack."""
+        delay = 0.1
+        deadline = time.monotonic() + OUTAGE_S
+        while True:
+            try:
+                return await fn()
+            except (RedisConnectionError, RedisTimeoutError, BusyLoadingError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("node %s: %s failed (%s); retrying in %.1f s", self.node, what, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     async def _settle(self, request_ids: list[str]) -> None:
         acks = []
@@ -458,7 +517,7 @@ class Worker:
 
     async def _flush_tokens(self, only: list[str] | None = None) -> None:
         events = self._token_events(only if only is not None else list(self.live), WALL.now_ms())
-        await self.results.stream_tokens(events)
+        await self._outage_safe("streaming tokens", lambda: self.results.stream_tokens(events))
 
     # -- status ------------------------------------------------------------------------------------------------
     def health_event(self) -> HealthEvent:

@@ -157,8 +157,10 @@ class SimEngine:
     async def step(self) -> StepOutput:
         t0 = self.now_ms()
         wall0 = time.perf_counter()
-        new = self._admit(t0)
+        # decoding: what ran before this step (a resumed sequence admitted now is prefilled already, and must not
+        # be in both lists: it would make two tokens in one step, and crash the loop when it finishes)
         decoding = [s for s in self.running.values() if s.prefilled]
+        new = self._admit(t0)
         kv_tokens = sum(s.req.in_tokens + s.generated for s in decoding)
         step_ms = self.cost.step_ms([s.req.in_tokens for s in new], len(decoding), kv_tokens) * self.slow_factor
         # Sleep the remainder of the iteration time not already spent on our own bookkeeping.
