@@ -61,6 +61,8 @@ class Batcher:
         self._arrived = asyncio.Event()
         self._held: set[str] = set()
         self._offered: list[tuple[str, int, float]] = []
+        self._to_ack: list[str] = []
+        """Entries of dispatched batches not acknowledged yet (an ack that failed is retried on the next tick)."""
         self._idle_closes = 0
         self._last_idle_ms = 0.0
         """Requests offered since the last close (id, version, enqueue time), for the window's replay record."""
@@ -91,6 +93,7 @@ class Batcher:
 
     async def tick(self) -> CloseReason:
         async with self._lock:
+            await self._ack_dispatched()
             now = WALL.now_ms()
             nodes = self.node_views(now)
             reason = self.window.close_reason(now, nodes)
@@ -114,49 +117,72 @@ class Batcher:
                 # waiting ones: replay re-applies it from a count on the next record instead of one entry each.
                 self._idle_closes += 1
                 self._last_idle_ms = now
-            for plan in outcome.plans:
-                batch_id = str(uuid.uuid4())
-                requests = tuple(p.request for p in plan.requests)
-                if tracing.TRACER is not None:  # a span per traced request; the worker's spans are its children
-                    requests = tracing.dispatch(requests, [p.enqueued_ms for p in plan.requests], now,
-                                                rack=self.rack, node=plan.node, batch_id=batch_id)
-                batch = BatchEvent(
-                    batch_id=batch_id, rack=self.rack, node=plan.node,
-                    requests=requests, mem_est_kb=plan.mem_est_kb,
-                    mem_budget_kb=plan.budget_kb, window_open_ms=window_open, created_ms=now,
-                )
-                entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
-                self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests))
-                await self.producer.add_many(
-                    (keys.DECISIONS, DecisionEvent(
-                        kind="dispatch", policy=c.policy, choice=c.node, request_ids=c.request_ids, ts_ms=now,
-                        scores=dict(c.scores), draw=c.draw, batch_id=batch.batch_id, rack=self.rack, actor=self.actor,
-                    ))
-                    for c in plan.choices
-                )
-                ids = [p.entry_id for p in plan.requests]
-                await self.consumer.ack(ids)
-                self._held.difference_update(ids)
-                self.batches += 1
-                self.dispatched += len(plan.requests)
-                metrics.BATCHES.labels(self.rack, plan.node, plan.choices[0].policy if plan.choices else "").inc()
-                metrics.BATCH_REQUESTS.labels(self.rack).observe(len(plan.requests))
-                metrics.BATCH_MEM_UTIL.labels(self.rack).observe(plan.utilisation)
-                for p in plan.requests:
-                    metrics.BATCH_WAIT_MS.labels(self.rack).observe(max(0.0, now - p.enqueued_ms))
-                if log.isEnabledFor(logging.DEBUG):
-                    with log_context(node=plan.node, batch_id=batch.batch_id):
-                        log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
-                                  batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation,
-                                  reason.value)
-            for rej in outcome.rejections:
-                metrics.REJECTED.labels(self.rack).inc()
-                await self.results.write(error_result(rej.pending.request, rej.reason, rack=self.rack))
-                await self.consumer.ack([rej.pending.entry_id])
-                self._held.discard(rej.pending.entry_id)
+            sent = 0  # plans whose batch entry is written (dispatched, whatever fails after)
+            try:
+                for plan in outcome.plans:
+                    batch_id = str(uuid.uuid4())
+                    requests = tuple(p.request for p in plan.requests)
+                    if tracing.TRACER is not None:  # a span per traced request; the worker's spans are its children
+                        requests = tracing.dispatch(requests, [p.enqueued_ms for p in plan.requests], now,
+                                                    rack=self.rack, node=plan.node, batch_id=batch_id)
+                    batch = BatchEvent(
+                        batch_id=batch_id, rack=self.rack, node=plan.node,
+                        requests=requests, mem_est_kb=plan.mem_est_kb,
+                        mem_budget_kb=plan.budget_kb, window_open_ms=window_open, created_ms=now,
+                    )
+                    entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
+                    sent += 1
+                    self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests))
+                    await self.producer.add_many(
+                        (keys.DECISIONS, DecisionEvent(
+                            kind="dispatch", policy=c.policy, choice=c.node, request_ids=c.request_ids, ts_ms=now,
+                            scores=dict(c.scores), draw=c.draw, batch_id=batch.batch_id, rack=self.rack,
+                            actor=self.actor,
+                        ))
+                        for c in plan.choices
+                    )
+                    ids = [p.entry_id for p in plan.requests]
+                    self._to_ack.extend(ids)  # acked below, and again next tick if the ack fails
+                    await self._ack_dispatched()
+                    self.batches += 1
+                    self.dispatched += len(plan.requests)
+                    metrics.BATCHES.labels(self.rack, plan.node, plan.choices[0].policy if plan.choices else "").inc()
+                    metrics.BATCH_REQUESTS.labels(self.rack).observe(len(plan.requests))
+                    metrics.BATCH_MEM_UTIL.labels(self.rack).observe(plan.utilisation)
+                    for p in plan.requests:
+                        metrics.BATCH_WAIT_MS.labels(self.rack).observe(max(0.0, now - p.enqueued_ms))
+                    if log.isEnabledFor(logging.DEBUG):
+                        with log_context(node=plan.node, batch_id=batch.batch_id):
+                            log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
+                                      batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation,
+                                      reason.value)
+                for rej in outcome.rejections:
+                    metrics.REJECTED.labels(self.rack).inc()
+                    await self.results.write(error_result(rej.pending.request, rej.reason, rack=self.rack))
+                    await self.consumer.ack([rej.pending.entry_id])
+                    self._held.discard(rej.pending.entry_id)
+            except Exception:
+                # Valkey went away mid-close (a restart, a failover): what was not dispatched goes back into the
+                # window (its stream entries are still held and unacknowledged), or it would be lost to this
+                # batcher; dispatched plans' acks are retried on the next tick.
+                for plan in outcome.plans[sent:]:
+                    for p in plan.requests:
+                        self.window.offer(PendingRequest(p.request, p.entry_id, p.enqueued_ms))
+                        self._offered.append((p.request.request_id, p.request.version, p.enqueued_ms))
+                for rej in outcome.rejections:
+                    if rej.pending.entry_id in self._held:
+                        self.window.offer(rej.pending)
+                raise
             if record is not None:
                 await self.producer.add(keys.DECISIONS, record)
             return reason
+
+    async def _ack_dispatched(self) -> None:
+        if self._to_ack:
+            ids = list(self._to_ack)
+            await self.consumer.ack(ids)
+            self._held.difference_update(ids)
+            del self._to_ack[: len(ids)]
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -10,8 +10,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,6 +131,17 @@ def _check_all(c: Cluster, ids: list[str], timeout_s: float = 180) -> dict[str, 
     return got
 
 
+async def _inject(c: Cluster, node: str, kind: str) -> None:
+    """What `rackflow fault inject` does (its CLI is tested in test_agent), without a process start's delay."""
+    from workers import faults
+
+    r = aioredis.Redis.from_url(c.redis_url)
+    try:
+        await faults.inject(r, node, kind, now_ms=WALL.now_ms())
+    finally:
+        await r.aclose()
+
+
 def _migrations(c: Cluster) -> int:
     return sum(p.log_path.read_text().count(" resumed at v") for p in c.procs.procs if p.role == "worker")
 
@@ -160,10 +169,7 @@ def test_xid_fault_drains_node_and_moves_live_sequences_with_their_kv(cluster: C
     async def run() -> None:
         task = asyncio.create_task(_submit_spread(cluster, items, 5.0))
         await asyncio.sleep(2.5)
-        res = subprocess.run([sys.executable, "-m", "workers.cli", "--config", str(cluster.path), "--redis-url",
-                              cluster.redis_url, "--etcd-url", cluster.etcd_url, "fault", "inject", "--node",
-                              "r0-n1", "--kind", "xid"], capture_output=True, text=True, timeout=60)
-        assert res.returncode == 0, res.stderr
+        await _inject(cluster, "r0-n1", "xid")  # in-process: a cold CLI start would land after the load
         ids.extend(await task)
 
     asyncio.run(run())
@@ -296,10 +302,7 @@ def test_two_monitors_kill_the_leader_the_other_takes_over_and_handles_a_fault(c
     async def run() -> None:
         task = asyncio.create_task(_submit_spread(cluster, items, 4.0))
         await asyncio.sleep(2.0)
-        res = subprocess.run([sys.executable, "-m", "workers.cli", "--config", str(cluster.path), "--redis-url",
-                              cluster.redis_url, "--etcd-url", cluster.etcd_url, "fault", "inject", "--node",
-                              "r0-n2", "--kind", "xid"], capture_output=True, text=True, timeout=60)
-        assert res.returncode == 0, res.stderr
+        await _inject(cluster, "r0-n2", "xid")  # in-process: a cold CLI start would land after the load
         ids.extend(await task)
 
     asyncio.run(run())
