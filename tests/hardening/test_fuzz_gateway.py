@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import RequestEvent, ResultEvent
 from streams import codec, keys
-from tests.conftest import REPO
+from tests.hardening.test_fuzz_consumers import write_counts
 from workers.runtime import WALL
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening]
@@ -46,24 +46,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.hardening]
 SECRET = "hardening-fuzz-secret-0123456789abcdef"
 MODEL = "qwen2-7b"
 MAX_BODY = 65_536
-COUNTS_FILE = REPO / ".rackflow" / "hardening" / "fuzz_counts.json"
 COUNTS: Counter[str] = Counter()
 SCHEMA_EXAMPLES = 120
 """Per generation mode (positive, negative) and auth setting."""
 RAW_EXAMPLES = 200
 """Raw requests per auth setting."""
-
-
-def write_counts(section: str, counts: Counter[str], path: Path = COUNTS_FILE) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[section] = dict(sorted(counts.items())) | {"total": sum(counts.values())}
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return f"{section}: {sum(counts.values())} inputs tried (" + ", ".join(
-        f"{k}={v}" for k, v in sorted(counts.items())) + f"); written to {path}"
 
 
 @pytest.fixture(scope="module", autouse=True)
