@@ -432,6 +432,10 @@ class GatewayConfig(_Strict):
     """Connections to Redis/Valkey (each open stream holds one while it waits for tokens)."""
     shutdown_grace_s: int = Field(default=10, ge=0, le=3600)
     """On SIGTERM, open streams get this long to finish."""
+    keep_alive_s: int = Field(default=75, ge=1, le=3600)
+    """How long an idle HTTP keep-alive connection stays open. Keep it LONGER than the idle timeout of whatever
+    holds connections to the gateway (load balancer: AWS ALB 60 s; HTTP client pools: httpx 5 s): when both sides
+    time out together, the client can send a request on a connection the server is closing and get a reset."""
 
 
 class TracingConfig(_Strict):

@@ -697,6 +697,7 @@ def serve(
         access_log=False,
         lifespan="on",
         server_header=False,
+        timeout_keep_alive=config.gateway.keep_alive_s,
         # open streams get this long to finish (their results stay readable at /v1/results/{id})
         timeout_graceful_shutdown=config.gateway.shutdown_grace_s,
     )

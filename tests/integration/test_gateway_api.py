@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import http.client
 import json
 import os
 import queue
@@ -448,6 +449,27 @@ def test_health_and_metrics(env: Env) -> None:
     assert metric(env.url, "rackflow_gateway_time_to_first_token_seconds_count", model=MODEL) == ttft_before + 1
     assert metric(env.url, "rackflow_gateway_request_seconds_count", endpoint="/v1/completions") >= 1
     assert metric(env.url, "rackflow_gateway_in_flight_requests") == 0
+
+
+def test_idle_keep_alive_connection_outlives_client_pool_expiry(env: Env) -> None:
+    """The gateway keeps an idle connection open gateway.keep_alive_s (75 s), longer than client pools and load
+    balancers keep theirs (httpx: 5 s; ALB: 60 s). With equal timeouts both sides close together and a request sent
+    on the closing connection gets a reset (seen as httpx.ReadError in a 600-request run)."""
+    host, port = urlsplit(env.url).hostname, urlsplit(env.url).port
+    assert host and port
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    try:
+        for attempt in range(2):
+            conn.request("GET", "/healthz")
+            resp = conn.getresponse()  # RemoteDisconnected if the server closed the idle connection
+            assert resp.status == 200, (attempt, resp.status)
+            resp.read()
+            if attempt == 0:
+                first = conn.sock
+                time.sleep(6.5)  # past uvicorn's 5 s default and httpx's pool expiry
+        assert conn.sock is first, "the connection was re-opened"
+    finally:
+        conn.close()
 
 
 # -- gateway B: no router behind it ----------------------------------------------------------------------------------
