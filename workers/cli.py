@@ -42,6 +42,13 @@ def _positive(text: str) -> int:
     return n
 
 
+def _redact(url: str) -> str:
+    """`url` with its password (if any) shown as ***."""
+    import re
+
+    return re.sub(r"(//[^:/@]*:)[^@/]+@", r"\1***@", url)
+
+
 def _endpoints(args: argparse.Namespace) -> tuple[str, str]:
     from workers.services import resolve_endpoints
 
@@ -56,7 +63,6 @@ def _endpoints(args: argparse.Namespace) -> tuple[str, str]:
 
 # -- services ------------------------------------------------------------------------------------------------------
 def cmd_services(args: argparse.Namespace) -> int:
-    import re
 
     from workers.services import EmbeddedServices, ServiceError
 
@@ -91,7 +97,7 @@ def cmd_services(args: argparse.Namespace) -> int:
             s = st.get(name) or {}
             if s.get("url"):
                 state = "healthy" if s.get("healthy") else ("alive, not answering" if s.get("alive") else "down")
-                url = re.sub(r"(//[^:/@]*:)[^@/]+@", r"\1***@", str(s.get("url")))  # --secure: no password shown
+                url = _redact(str(s.get("url")))  # --secure: no password shown
                 print(f"{'valkey' if name == 'redis' else 'etcd':<7} {state:<10} {url}  pid {s.get('pid')}")
     healthy = bool(st.get("running")) and all((st.get(n) or {}).get("healthy") for n in ("redis", "etcd"))
     return 0 if healthy else 1
@@ -411,9 +417,16 @@ class _LocalCluster:
         flower = _flower_port(getattr(args, "flower_port", None)) if with_failover else None  # before any start
         self.services: EmbeddedServices | None = None
         ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
+        role_urls = None
         if ep is None:
             self.services = EmbeddedServices(state_dir)
             ep = self.services.start()
+        else:
+            # on `rackflow services up --secure`'s Valkey, each role logs in as its own ACL user
+            embedded = EmbeddedServices(STATE_DIR)
+            running = embedded.endpoints()
+            if running is not None and running.redis_url == ep.redis_url:  # not pointed elsewhere by a URL
+                role_urls = embedded.running_role_urls()
         self.redis_url, self.etcd_url = ep.redis_url, ep.etcd_url
         from workers.launcher import ClusterProcesses
 
@@ -430,6 +443,7 @@ class _LocalCluster:
             routers=getattr(args, "routers", 1),
             batchers_per_rack=getattr(args, "batchers_per_rack", None),
             gateways=getattr(args, "gateways", 1),
+            role_urls=role_urls,
         )
 
     def start(self) -> None:
@@ -462,7 +476,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateways = sum(p.role == "gateway" for p in cluster.procs.procs)
         print(f"rackflow up: {n} processes ({routers} router(s), {batchers} batchers for "
               f"{len(cluster.config.rack_names())} racks, {len(cluster.config.nodes())} workers, {gateways} "
-              f"gateway(s){fo}); redis {cluster.redis_url} etcd {cluster.etcd_url}")
+              f"gateway(s){fo}); redis {_redact(cluster.redis_url)} etcd {cluster.etcd_url}")
+        if cluster.procs.role_urls is not None:
+            print("redis   ACL users per role (`services up --secure`): each role logs in as rf-<role>", flush=True)
         procs = cluster.procs
         auth = "OFF (local run: set RACKFLOW_JWT_SECRET to require JWTs)" if procs.gateway_no_auth else "JWT"
         ports = [p.metrics_port or 0 for p in procs.procs if p.role == "gateway"] or [procs.gateway_port]
@@ -504,7 +520,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     report: dict[str, Any]
     try:
         cluster.start()
-        print(f"rackflow demo: {len(cluster.procs.procs)} processes starting; redis {cluster.redis_url}",
+        print(f"rackflow demo: {len(cluster.procs.procs)} processes starting; redis {_redact(cluster.redis_url)}",
               file=sys.stderr)
         run = DemoRun(
             cluster.config, cluster.redis_url, cluster.etcd_url, trace, args.requests, args.speedup,

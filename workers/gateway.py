@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
 
 from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent, RequestEvent, ResultEvent, TokenEvent
@@ -34,6 +35,16 @@ from workers import tracing
 from workers.runtime import WALL
 
 log = logging.getLogger(__name__)
+
+
+def _no_stream_yet(exc: aioredis.ResponseError, key: str, command: str) -> None:
+    """An XINFO on a stream that does not exist yet is an error reply we take as "empty"; an ACL denial is not:
+    without its queue figures the gateway could not shed load, so it fails loudly (the request gets a 503)."""
+    if isinstance(exc, NoPermissionError):
+        log.error("the gateway's Redis user may not run %s on %s (%s): give it `+%s` and `%%R~%s` "
+                  "(deploy/valkey/users.acl.example, user rf-gateway)", command, key, exc, command,
+                  key.split("{", 1)[0] + "*")
+        raise exc
 
 
 class RequestRejected(ValueError):
@@ -142,7 +153,8 @@ class Gateway:
             return v
         try:
             groups = await self.r.xinfo_groups(keys.INGRESS)
-        except aioredis.ResponseError:  # no stream yet
+        except aioredis.ResponseError as e:
+            _no_stream_yet(e, keys.INGRESS, "xinfo|groups")
             groups = []
         value = 0
         found = False
@@ -178,7 +190,8 @@ class Gateway:
         for rack in self.config.rack_names():
             try:
                 groups = await self.r.xinfo_groups(keys.rack_requests(rack))
-            except aioredis.ResponseError:  # no stream yet
+            except aioredis.ResponseError as e:
+                _no_stream_yet(e, keys.rack_requests(rack), "xinfo|groups")
                 groups = []
             q = 0
             for g in groups:
@@ -202,7 +215,8 @@ class Gateway:
         try:
             info = await self.r.xinfo_stream(keys.RESULTS)
             added = info.get("entries-added")
-        except aioredis.ResponseError:
+        except aioredis.ResponseError as e:
+            _no_stream_yet(e, keys.RESULTS, "xinfo|stream")
             added = 0
         if added is not None:
             t = time.monotonic()

@@ -58,6 +58,11 @@ class ClusterProcesses:
     """Batcher processes per rack (one consumer group per rack); None: policies.batcher.consumers_per_rack."""
     gateways: int = 1
     """HTTP gateways (with_gateway): gateway k listens on gateway_port + k (every one on a free port when 0)."""
+    role_urls: dict[str, str] | None = None
+    """Per-role Redis/Valkey URLs (`rackflow services up --secure`: one ACL user per role, services.json's
+    role_urls): each role logs in as its own user (router, batcher, worker, agent, monitor, gateway, celery, flower)
+    instead of `redis_url`. The URL, with its password, reaches the child in its environment, not its command line
+    (which `ps` shows to every local user)."""
     procs: list[RoleProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -77,20 +82,39 @@ class ClusterProcesses:
         elif role == "gateway":
             # 0: a free port the gateway picks (printed in its log)
             metrics_port = (self.gateway_port if port is None else port) or None
+        redis_args, env = self._redis_for(role)
         cmd = [
             sys.executable, "-m", "workers.cli", *self.config_args,
-            "--redis-url", self.redis_url, "--etcd-url", self.etcd_url, "--log-level", self.log_level,
+            *redis_args, "--etcd-url", self.etcd_url, "--log-level", self.log_level,
             "celery-worker" if role == "celery" else role, *extra,
         ]
         fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    start_new_session=True, env=env)
         finally:
             fh.close()
         rp = RoleProcess(role, name, proc, log_path, metrics_port)
         self.procs.append(rp)
         return rp
+
+    def redis_url_for(self, role: str) -> str:
+        """The URL `role` connects with: its own user's under role_urls, else the shared `redis_url`."""
+        if self.role_urls is None:
+            return self.redis_url
+        try:
+            return self.role_urls[role]
+        except KeyError:
+            raise ValueError(f"no Redis URL for role {role!r} in role_urls (has: {', '.join(sorted(self.role_urls))})"
+                             ) from None
+
+    def _redis_for(self, role: str) -> tuple[list[str], dict[str, str] | None]:
+        """(command-line arguments, environment) that give a child process its Redis URL."""
+        if self.role_urls is None:
+            return ["--redis-url", self.redis_url], None
+        from workers.services import ENV_REDIS_URL
+
+        return [], {**os.environ, ENV_REDIS_URL: self.redis_url_for(role)}
 
     def metrics_targets(self) -> list[dict[str, object]]:
         """The roles' /metrics endpoints as Prometheus file_sd targets (`file_sd_configs`)."""
@@ -138,10 +162,11 @@ class ClusterProcesses:
         log_path = self.log_dir / "flower.log"
         from workers.celery_app import broker_url
 
-        cmd = [sys.executable, "-m", "celery", "--broker", broker_url(self.redis_url), "-A", "workers.celery_app",
-               "flower",
+        # the broker URL (with the flower user's password under role_urls) goes in the environment, not argv
+        cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower",
                f"--port={port}", "--address=127.0.0.1"]
-        env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
+        env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true",
+               "CELERY_BROKER_URL": broker_url(self.redis_url_for("flower"))}
         fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

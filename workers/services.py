@@ -969,6 +969,15 @@ class EmbeddedServices:
             return None
         return ServiceEndpoints(redis_url=redis_url, etcd_url=etcd_url)
 
+    def running_role_urls(self) -> dict[str, str] | None:
+        """services.json's per-role URLs (``--secure``) if its servers are running, else ``None``."""
+        if self.endpoints() is None:
+            return None
+        urls = (self._read_state() or {}).get("role_urls")
+        if not isinstance(urls, dict) or not all(isinstance(v, str) for v in urls.values()):
+            return None
+        return {str(k): v for k, v in urls.items()}
+
     def __enter__(self) -> Self:
         self.start()
         return self
