@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -44,8 +45,6 @@ def _positive(text: str) -> int:
 
 def _redact(url: str) -> str:
     """`url` with its password (if any) shown as ***."""
-    import re
-
     return re.sub(r"(//[^:/@]*:)[^@/]+@", r"\1***@", url)
 
 
@@ -461,6 +460,22 @@ class _LocalCluster:
                 self.services.stop()
 
 
+def _gateway_url(gw: Any, host: str, wait_s: float = 20.0) -> str:
+    """Where a gateway listens: its fixed port, or (port 0: a free one it picked) the URL its log announces."""
+    if gw.metrics_port:
+        return f"http://{host}:{gw.metrics_port}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and gw.proc.poll() is None:
+        try:
+            found = re.search(r"gateway listening on (http://\S+)", gw.log_path.read_text())
+        except OSError:
+            found = None
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    return f"http://{host}:? (not listening yet: see {gw.log_path})"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "up")
     cluster = _LocalCluster(args, STATE_DIR / "up", with_gateway=True, with_failover=not args.no_failover)
@@ -481,9 +496,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("redis   ACL users per role (`services up --secure`): each role logs in as rf-<role>", flush=True)
         procs = cluster.procs
         auth = "OFF (local run: set RACKFLOW_JWT_SECRET to require JWTs)" if procs.gateway_no_auth else "JWT"
-        ports = [p.metrics_port or 0 for p in procs.procs if p.role == "gateway"] or [procs.gateway_port]
-        for port in ports:
-            print(f"gateway http://{cluster.config.gateway.host}:{port}/v1  auth: {auth}", flush=True)
+        for gw in [p for p in procs.procs if p.role == "gateway"]:
+            print(f"gateway {_gateway_url(gw, cluster.config.gateway.host)}/v1  auth: {auth}", flush=True)
         if procs.flower_port is not None:
             print(f"flower  http://127.0.0.1:{procs.flower_port}/  (API enabled for local use)", flush=True)
         if args.metrics:
