@@ -32,6 +32,7 @@ TICK_S = 0.1
 PER_TICK = 2
 BEFORE_KILL_S = 4.0
 DOWN_S = float(os.environ.get("RACKFLOW_TEST_VALKEY_DOWN_S", "2.0"))  # how long Valkey stays dead
+LONG_DOWN_S = 10.0  # longer than every role's first reconnect attempts and the health staleness windows
 AFTER_RESTART_S = 5.0
 
 
@@ -44,7 +45,7 @@ async def _xlen(url: str, stream: str) -> int:
         await r.aclose()
 
 
-async def _scenario(config: RackflowConfig, valkey: ValkeyProcess) -> dict[str, object]:
+async def _scenario(config: RackflowConfig, valkey: ValkeyProcess, down_s: float) -> dict[str, object]:
     from streams.runner import connect
 
     url = valkey.url
@@ -80,9 +81,10 @@ async def _scenario(config: RackflowConfig, valkey: ValkeyProcess) -> dict[str, 
     before_kill = len(accepted)
     marks["killed"] = time.monotonic()
     await asyncio.to_thread(valkey.kill)  # SIGKILL: no shutdown, no final fsync
-    await asyncio.sleep(DOWN_S)
+    await asyncio.sleep(down_s)
     await asyncio.to_thread(valkey.start)  # same port, same data dir: reloads the AOF
     marks["restarted"] = time.monotonic()
+    marks["restarted_wall_ms"] = time.time() * 1000.0
     results_at_restart = await _xlen(url, keys.RESULTS)
     # the first final result written after the restart
     while time.monotonic() - marks["restarted"] < 60:
@@ -95,6 +97,16 @@ async def _scenario(config: RackflowConfig, valkey: ValkeyProcess) -> dict[str, 
         await asyncio.sleep(remaining)
     stop.set()
     await task
+    # the health agents write again and the monitor reads again: the failover group has consumed entries written
+    # after the restart (stream ids are wall-clock ms)
+    probe = connect(url)
+    try:
+        group = next(g for g in await probe.xinfo_groups(keys.HEALTH) if g["name"] in (b"failover", "failover"))
+        last = group["last-delivered-id"]
+        last = last.decode() if isinstance(last, bytes) else str(last)
+        health_read_after_restart = int(last.split("-")[0]) > marks["restarted_wall_ms"]
+    finally:
+        await probe.aclose()
 
     ids = set(accepted)
     got, counts = await harness.wait_results(url, ids, timeout_s=90)
@@ -111,6 +123,7 @@ async def _scenario(config: RackflowConfig, valkey: ValkeyProcess) -> dict[str, 
         "unexpected": len(set(got) - ids - set(failed)),
         "failed_but_answered": len(set(failed) & set(got)),
         "errors": sum(1 for e in got.values() if e.status != "ok"),
+        "health_read_after_restart": health_read_after_restart,
         "valkey_down_s": round(t0 - marks["killed"], 2),
         "recovery_first_result_s": round(marks["first_result_after_restart"] - t0, 2)
         if "first_result_after_restart" in marks else None,
@@ -121,25 +134,37 @@ async def _scenario(config: RackflowConfig, valkey: ValkeyProcess) -> dict[str, 
     }
 
 
+@pytest.mark.parametrize("down_s", [
+    pytest.param(DOWN_S, id="short-outage"),
+    pytest.param(LONG_DOWN_S, id="long-outage", marks=[pytest.mark.slow, pytest.mark.timeout(240)]),
+])
 def test_sigkill_durable_valkey_under_load_loses_nothing(
-    clean_services: ServiceEndpoints, config_file, tmp_path: Path  # type: ignore[no-untyped-def]
+    clean_services: ServiceEndpoints, config_file, tmp_path: Path, down_s: float  # type: ignore[no-untyped-def]
 ) -> None:
+    """Every role runs: router, batchers, workers, and the failover set (a health agent per node, the monitor, a
+    Celery worker). Valkey's outage is not a node failure: no node may be drained for it."""
     path = config_file(harness.SMALL_CLUSTER)
     config = harness.small_config(path)
     valkey = ValkeyProcess(tmp_path / "valkey", port=free_port(), extra_args=valkey_durable_args("always"))
     valkey.start()
     procs = ClusterProcesses(config, valkey.url, clean_services.etcd_url, tmp_path / "logs",
-                             ["--config", str(path)], log_level="WARNING")
+                             ["--config", str(path)], log_level="INFO", with_failover=True)
     try:
         procs.start()
         asyncio.run(wait_cluster_ready(config, valkey.url, clean_services.etcd_url, timeout_s=60))
-        figures = asyncio.run(_scenario(config, valkey))
+        figures = asyncio.run(_scenario(config, valkey, down_s))
         dead = procs.dead()
         assert not dead, {p.name: p.log_path.read_text()[-2000:] for p in dead}
+        roles = {p.role for p in procs.procs}
+        assert roles >= {"router", "batcher", "worker", "agent", "monitor", "celery"}, roles
+        monitor_log = "".join(p.log_path.read_text() for p in procs.procs if p.role == "monitor")
+        figures["drained_nodes"] = monitor_log.count("marked draining") + monitor_log.count("marked dead")
     finally:
         procs.stop()
         valkey.stop()
     print("\ndurable-restart " + json.dumps(figures, sort_keys=True))
+    assert figures["drained_nodes"] == 0, f"the monitor drained a node for Valkey's outage: {figures}"
+    assert figures["health_read_after_restart"], f"agents or monitor did not resume after the restart: {figures}"
     assert list((tmp_path / "valkey").glob("appendonlydir/*.aof")), "no append-only file written"
     assert figures["accepted_before_kill"], figures
     assert figures["results_at_restart"], f"the restarted Valkey did not reload the results from its AOF: {figures}"
