@@ -9,14 +9,17 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
 
-$(STAMP): pyproject.toml
+FLOORS := deploy/security/advisory-floors.txt
+
+$(STAMP): pyproject.toml $(FLOORS)
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "rackflow needs Python >= 3.11, found " + sys.version' 
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel lies on this machine kind's disk; resolving it later through transformers
 	# would fetch a multi-GB CUDA build
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[dev,torch]'
+	# -c: no dependency below the version that fixed its known advisories (the file says where they come from)
+	$(PIP) install --quiet -c $(FLOORS) -e '.[dev,torch]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -42,7 +45,8 @@ test-hardening: $(STAMP)
 # pip-audit checks the installed environment against PyPI's advisory data (the JSON API; OSV as fallback is not
 # used). Known vulnerabilities fail lint. Where no advisory service answers (offline, or a registry mirror without
 # PyPI's JSON API: every package comes back "not found on PyPI"), nothing was audited: lint says so plainly and
-# does not fail on it.
+# does not fail on it. Then, in every case, the offline fallback: no installed package below the floors of
+# deploy/security/advisory-floors.txt (collected by hand from public advisories; fails lint when one is below).
 define PIP_AUDIT_SUMMARY
 import json, sys
 report, log = sys.argv[1], sys.argv[2]
@@ -76,6 +80,7 @@ lint: $(STAMP)
 	$(VENV)/bin/pip-audit --local --skip-editable --progress-spinner off --timeout 20 \
 	  -f json -o $(VENV)/pip-audit.json > $(VENV)/pip-audit.log 2>&1; \
 	$(PY) -c "$$PIP_AUDIT_SUMMARY" $(VENV)/pip-audit.json $(VENV)/pip-audit.log
+	$(PY) deploy/security/check_floors.py $(FLOORS)
 
 bench: $(STAMP)
 	$(RF) bench pipeline

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
 
 from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent
@@ -106,7 +107,10 @@ class ClusterView:
             for rack in racks or self.config.rack_names():
                 try:
                     groups = await self.r.xinfo_groups(keys.rack_requests(rack))
-                except aioredis.ResponseError:
+                except aioredis.ResponseError as e:  # no stream yet: nothing queued
+                    if isinstance(e, NoPermissionError):  # an ACL that hides the queues: the balance goes blind
+                        log.error("may not read the queue of rack %s (%s): this role's Redis user needs "
+                                  "`+xinfo|groups` and `%%R~rf:rack:*` (deploy/valkey/users.acl.example)", rack, e)
                     groups = []
                 backlog = 0
                 for g in groups:

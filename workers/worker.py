@@ -146,6 +146,9 @@ class Worker:
         """request id -> batch entries waiting for it (a request may come in two deliveries of a batch)."""
         self.last_batch_entry = ""
         self._wake = asyncio.Event()
+        self._releases: list[tuple[ReleaseEvent, asyncio.Future[bool]]] = []
+        """Releases waiting for the engine loop (it runs them between two steps: see `_release`)."""
+        self._engine_task: asyncio.Task[None] | None = None
         self.completed = 0
         # metric children bound once (labels() on every step costs more than the increment)
         self._m_steps = metrics.ENGINE_STEPS.labels(node, engine_name)
@@ -372,34 +375,75 @@ class Worker:
 
     async def _release(self, ev: ReleaseEvent) -> None:
         """Stop a sequence that is being moved away: its tokens so far go out, its KV goes to the tiers at the new
-        version, it leaves this engine without a result, and the release marker tells the mover to go on."""
+        version, it leaves this engine without a result, and the release marker tells the mover to go on.
+
+        The engine loop does the work, between two steps: the snapshot then counts exactly the tokens that went to
+        the client. Done from here, a step could run while the tokens are flushed (or, with the torch engine, be
+        in flight in its thread while the KV is exported): its new token would be in the snapshot but dropped with
+        the sequence, and the new owner, resuming after it, would leave a hole in the client's stream."""
         rid = ev.seq_id
         live = self.live.get(rid)
         exported = False
         if live is not None and live.req.version < ev.version:
-            await self._flush_tokens(only=[rid])
-            try:
-                snap = self.engine.export_kv(rid, ev.version, remove=True)
-                # L2: the new owner is another node, and L1 is this node's own host memory
-                exported = await self.kv.put(snap, tier="L2")
-            except Exception as e:  # the move still goes on: the new owner re-prefills
-                log.warning("sequence %s: KV export on release failed: %s", rid, e)
-                self.engine.abort(rid)
-            if live.span is not None:
-                tracing.end_span(live.span, released_to=ev.dst or "", kv_exported=exported)
-            self.live.pop(rid, None)
-            await self._settle([rid])
-            self.recorder.release([])  # the record now belongs to the new owner: never delete it from here
-            metrics.MIGRATIONS.labels(self.node, "released").inc()
-            log.info("sequence %s released to %s at v%d (KV %s)", rid, ev.dst, ev.version,
-                     "exported" if exported else "not exported")
+            if self._engine_task is not None and not self._engine_task.done():
+                done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+                self._releases.append((ev, done))
+                self._wake.set()
+                exported = await done
+            else:
+                exported = await self._release_now(ev)
         await self.r.set(keys.seq_released(rid, ev.version), b"kv" if exported else b"none", ex=3600)
 
+    async def _run_releases(self) -> None:
+        """The releases queued by `_release`, run by the engine loop while no step is in flight."""
+        while self._releases:
+            ev, done = self._releases.pop(0)
+            try:
+                exported = await self._release_now(ev)
+            except BaseException as e:
+                if not done.done():
+                    done.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                if not done.done():
+                    done.set_result(exported)
+
+    async def _release_now(self, ev: ReleaseEvent) -> bool:
+        """Flush the sequence's tokens, export its KV (L2) at the new version, drop it here; whether KV went out."""
+        rid = ev.seq_id
+        live = self.live.get(rid)
+        if live is None or live.req.version >= ev.version:
+            return False
+        exported = False
+        await self._flush_tokens(only=[rid])
+        try:
+            snap = self.engine.export_kv(rid, ev.version, remove=True)
+            # L2: the new owner is another node, and L1 is this node's own host memory
+            exported = await self.kv.put(snap, tier="L2")
+        except Exception as e:  # the move still goes on: the new owner re-prefills
+            log.warning("sequence %s: KV export on release failed: %s", rid, e)
+            self.engine.abort(rid)
+        if live.span is not None:
+            tracing.end_span(live.span, released_to=ev.dst or "", kv_exported=exported)
+        self.live.pop(rid, None)
+        await self._settle([rid])
+        self.recorder.release([])  # the record now belongs to the new owner: never delete it from here
+        metrics.MIGRATIONS.labels(self.node, "released").inc()
+        log.info("sequence %s released to %s at v%d (KV %s)", rid, ev.dst, ev.version,
+                 "exported" if exported else "not exported")
+        return exported
+
     # -- engine loop -------------------------------------------------------------------------------------------
+    def _start_engine_loop(self, stop: asyncio.Event) -> asyncio.Task[None]:
+        self._engine_task = asyncio.create_task(self._engine_loop(stop), name="engine")
+        return self._engine_task
+
     async def _engine_loop(self, stop: asyncio.Event) -> None:
         flush_ms = self.config.policies.worker.token_flush_ms
         last_flush = WALL.now_ms()
         while True:
+            await self._run_releases()
             if not self.engine.has_work():
                 if stop.is_set():
                     return
@@ -633,7 +677,7 @@ class Worker:
         self.recorder.start()
         tasks = [
             asyncio.create_task(self.consumer.run(), name="consume"),
-            asyncio.create_task(self._engine_loop(engine_stop), name="engine"),
+            self._start_engine_loop(engine_stop),
             asyncio.create_task(self._status_loop(status_stop), name="status"),
             asyncio.create_task(self.control.run(), name="control"),
         ]
