@@ -325,6 +325,11 @@ class Worker:
         if req.in_tokens < 0 or req.in_tokens + req.max_tokens > spec.context:
             return (f"in_tokens {req.in_tokens} + max_tokens {req.max_tokens} do not fit the context of "
                     f"{req.model} ({spec.context} tokens)")
+        budget_kb = self.config.node_mem_budget_kb(self.node)
+        if not 0.0 <= req.mem_est_kb <= budget_kb:
+            # the batcher never sends one (it rejects what no node's budget holds); admitted, a size of 1e308
+            # would overflow the engine's memory ledger to inf/NaN and leave it one sequence at a time for good
+            return f"mem_est_kb {req.mem_est_kb:g} is outside this node's budget [0, {budget_kb:g}] KB"
         return ""
 
     async def _write_refused(self, req: RequestEvent, batch_id: str, batched_ms: float, reason: str) -> None:

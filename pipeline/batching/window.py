@@ -205,6 +205,8 @@ class WindowBatcher:
             cap = self._cap_for(p.request.model)
             if cap <= 0:
                 rejections.append(Rejection(p, f"no node of this rack serves model {p.request.model!r}"))
+            elif p.request.mem_est_kb < 0:  # only a corrupt or hostile entry: it would make room that is not there
+                rejections.append(Rejection(p, f"estimated memory {p.request.mem_est_kb:g} KB is negative"))
             elif p.request.mem_est_kb > cap:
                 rejections.append(
                     Rejection(

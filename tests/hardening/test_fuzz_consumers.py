@@ -644,3 +644,39 @@ def test_sim_engine_resumed_sequence_one_token_from_the_end(tmp_path: Path) -> N
     assert [(t.request_id, t.index) for t in out.tokens] == [("resumed", 2)]
     assert [f.out_tokens for f in out.finished] == [3]
     assert not engine.has_work()
+
+
+def test_worker_refuses_a_request_no_memory_budget_holds(env) -> None:  # type: ignore[no-untyped-def]
+    """Found by the worker fuzzing (a full-suite run): `mem_est_kb` 1e308 passes the codec (finite) and the sim
+    engine admitted it into an empty engine; two of them overflowed its memory ledger to inf, and from then on it
+    ran one sequence at a time, so good batches waited past the test's deadline. The worker now refuses sizes no
+    node budget holds, with an error result, and the engine stays as it was."""
+    from workers.worker import Worker
+
+    ep, config, r = env
+    huge = [request(mem_est_kb=1e308), request(mem_est_kb=-1.0), request(mem_est_kb=1e308)]
+    fine = [request(max_tokens=4) for _ in range(6)]
+    now = WALL.now_ms()
+    with RoleThread(lambda: Worker(config, NODE, "sim", ep.redis_url, ep.etcd_url, grace_s=2.0)) as role:
+        r.xadd(keys.node_batches(NODE), codec.encode(BatchEvent(str(uuid.uuid4()), RACK, NODE, (*huge, *fine), 64.0,
+                                                               1e6, now, now)))
+        ids = [q.request_id for q in (*huge, *fine)]
+        wait_for(lambda: all(r.exists(keys.result_done(i)) for i in ids), 20,
+                 lambda: f"{sum(not r.exists(keys.result_done(i)) for i in ids)} requests without a result")
+        assert role.alive
+        results = {ev.request_id: ev for _e, f in r.xrange(keys.RESULTS) if isinstance(ev := codec.decode(f),
+                                                                                       ResultEvent)}
+        assert all(results[q.request_id].status == "error" and "mem_est_kb" in (results[q.request_id].error or "")
+                   for q in huge), [results[q.request_id] for q in huge]
+        assert all(results[q.request_id].status == "ok" for q in fine)
+        engine = role.role.engine
+        assert engine.kv_used_kb == 0.0 and not engine.has_work(), engine.kv_used_kb
+        # several at once again, as before: the engine was not left one sequence at a time
+        more = [request(max_tokens=40) for _ in range(4)]
+        now = WALL.now_ms()
+        r.xadd(keys.node_batches(NODE), codec.encode(BatchEvent(str(uuid.uuid4()), RACK, NODE, tuple(more), 64.0, 1e6,
+                                                               now, now)))
+        seen: list[int] = []
+        wait_for(lambda: seen.append(len(engine.running)) or all(r.exists(keys.result_done(q.request_id))
+                                                                  for q in more), 20, lambda: "the 4 did not finish")
+        assert max(seen) >= 2, f"one sequence at a time: {seen}"

@@ -2,8 +2,9 @@
 exactly the tokens its client has been sent. Were the snapshot one token ahead, the new owner would resume after a
 token nobody sent (a hole in the client's stream); one behind, it would send a token twice.
 
-A real worker (the sim engine, and the torch engine whose steps run in a thread; coalesced token flushes) on real Valkey and etcd, in this process; releases land at
-random moments while the engine steps, so a release and a step interleave in every way they can."""
+A real worker (the sim engine, and the torch engine whose steps run in a thread; coalesced token flushes) on real
+Valkey and etcd, in this process; releases land at random moments while the engine steps, so a release and a step
+interleave in every way they can."""
 
 from __future__ import annotations
 

@@ -159,6 +159,17 @@ def test_request_larger_than_every_cap_is_rejected_with_a_reason_not_dropped() -
     assert not out.plans and not batcher.pending
 
 
+def test_negative_memory_estimate_is_rejected_not_packed() -> None:
+    """A negative estimate (a corrupt entry) would make room in a node's budget that is not there."""
+    batcher = make_batcher({"n0": 100.0})
+    neg, ok = sized(-1e308), sized(60.0)
+    batcher.offer(neg)
+    batcher.offer(ok)
+    out = batcher.close(100.0, [node_view("n0", kv_free_kb=100.0)])
+    assert [r.pending for r in out.rejections] == [neg] and "negative" in out.rejections[0].reason
+    assert [p for plan in out.plans for p in plan.requests] == [ok]
+
+
 def test_no_eligible_node_keeps_everything_pending() -> None:
     batcher = make_batcher({"n0": 100.0})
     batcher.offer(sized(10))
