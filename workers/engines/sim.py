@@ -174,6 +174,8 @@ class SimEngine:
         finished: list[SeqFinished] = []
         vocab = self.cost.model.vocab
         for s in [*decoding, *new]:
+            if self.running.get(s.req.request_id) is not s:
+                continue  # aborted (cancelled, released) while this step ran: no token, and it is not ours to end
             if s.seed < 0:
                 s.seed = stable_hash64(s.req.request_id)
             tid, text = placeholder_token(s.req.request_id, s.generated, vocab, s.seed)
