@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 RF     := $(VENV)/bin/rackflow
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
+.PHONY: run test test-all test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
 
 FLOORS := deploy/security/advisory-floors.txt
 
@@ -25,7 +25,12 @@ $(STAMP): pyproject.toml $(FLOORS)
 run: $(STAMP)
 	$(RF) demo
 
+# the suite without the `long` tests (a minute of sustained overload, a 10 s Valkey outage): those run in
+# test-hardening and test-all
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not long" tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
@@ -38,7 +43,8 @@ chaos: $(STAMP)
 test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m cluster tests/cluster
 
-# fuzzing, durable restart, sustained overload (part of `make test` too)
+# fuzzing, durable restart (short and long outage), sustained overload, access control; `make test` runs all of
+# these but the `long` ones
 test-hardening: $(STAMP)
 	$(PY) -m pytest -q -m hardening tests/hardening
 

@@ -46,7 +46,7 @@ from workers.bench_gateway import closed_loop, one_request, open_loop, wait_http
 from workers.launcher import ClusterProcesses, wait_cluster_ready
 from workers.services import ServiceEndpoints, free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.slow, pytest.mark.long]
 
 MAX_TOKENS = 32
 RACK_QUEUE = 8

@@ -136,7 +136,7 @@ async def _scenario(config: RackflowConfig, valkey: ValkeyProcess, down_s: float
 
 @pytest.mark.parametrize("down_s", [
     pytest.param(DOWN_S, id="short-outage"),
-    pytest.param(LONG_DOWN_S, id="long-outage", marks=[pytest.mark.slow, pytest.mark.timeout(240)]),
+    pytest.param(LONG_DOWN_S, id="long-outage", marks=[pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(240)]),
 ])
 def test_sigkill_durable_valkey_under_load_loses_nothing(
     clean_services: ServiceEndpoints, config_file, tmp_path: Path, down_s: float  # type: ignore[no-untyped-def]
