@@ -480,7 +480,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "up")
     cluster = _LocalCluster(args, STATE_DIR / "up", with_gateway=True, with_failover=not args.no_failover)
     interrupted = []
-    signal.signal(signal.SIGTERM, lambda *_: interrupted.append(1))
+    # both set here, as the roles do: a shell starts a background job (`rackflow up &`, CI scripts) with SIGINT
+    # ignored, and Python then never turns SIGINT into KeyboardInterrupt, so `kill -INT` would stop nothing
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: interrupted.append(1))
     try:
         cluster.start()
         n = len(cluster.procs.procs)

@@ -88,9 +88,12 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
     from workers.services import free_port
 
     port, flower = free_port(), free_port()
+    # started with SIGINT ignored, as a shell starts a background job (`rackflow up &`, a CI script): the Ctrl-C
+    # below must stop it all the same
     proc = subprocess.Popen([*RF, "--config", str(override), "--log-level", "WARNING", "up", "--gateway-port",
                              str(port), "--flower-port", str(flower)],
-                            cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
