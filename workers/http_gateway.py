@@ -37,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.config import RackflowConfig
@@ -143,6 +143,10 @@ def _timeout(request_id: str, timeout_s: float) -> ApiError:
 
 
 def _store_down(e: RedisError, retry_after_s: int = 1) -> ApiError:
+    if isinstance(e, NoPermissionError):  # a misconfigured ACL, not an outage: the gateway log names the grant
+        return ApiError(503, "the gateway's stream-store user lacks a permission it needs (the gateway log names "
+                        "it); retry after an operator fixes the ACL", "store_forbidden",
+                        headers={"Retry-After": str(retry_after_s)})
     return ApiError(503, f"the gateway cannot reach its stream store; retry later ({type(e).__name__})",
                     "store_unavailable", headers={"Retry-After": str(retry_after_s)})
 

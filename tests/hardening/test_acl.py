@@ -158,9 +158,48 @@ def test_gateway_without_queue_read_rights_fails_loudly(secure: tuple[EmbeddedSe
         finally:
             await r.aclose()
 
-    with pytest.raises(redis.exceptions.NoPermissionError):
+    with pytest.raises(redis.exceptions.NoPermissionError) as denied:
         asyncio.run(read())
     assert "may not run xinfo|groups on rf:rack:" in caplog.text
+    # what the HTTP client then gets: a 503 that says it is the ACL, not an outage
+    from workers.http_gateway import _store_down
+
+    err = _store_down(denied.value)
+    assert (err.status, err.code) == (503, "store_forbidden") and "permission" in str(err)
+
+
+def test_rackflow_up_logs_each_role_in_as_its_user_on_a_secure_valkey(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rackflow up` (its _LocalCluster) finds `services up --secure`'s role URLs in .rackflow/services.json and
+    hands them to the launcher; pointed at another server by --redis-url, it uses that URL for every role."""
+    import argparse
+
+    from pipeline.config import DEFAULT_CONFIG_DIR
+    from workers.cli import _LocalCluster
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("RACKFLOW_REDIS_URL", "RACKFLOW_ETCD_URL"):
+        monkeypatch.delenv(var, raising=False)
+    svc = EmbeddedServices(Path(".rackflow"), secure=True)
+    ep = svc.start()
+    try:
+        def args(**kw: Any) -> argparse.Namespace:
+            base = {"config_dir": str(DEFAULT_CONFIG_DIR), "config": [], "redis_url": None, "etcd_url": None,
+                    "log_level": "WARNING"}
+            return argparse.Namespace(**(base | kw))
+
+        cluster = _LocalCluster(args(), tmp_path / "up", with_gateway=True)
+        assert cluster.services is None, "it must use the running services, not start its own"
+        assert cluster.redis_url == ep.redis_url
+        assert cluster.procs.role_urls == svc.role_urls and "router" in svc.role_urls
+        redis_args, env = cluster.procs._redis_for("router")
+        assert redis_args == [] and env is not None and env["RACKFLOW_REDIS_URL"] == svc.role_urls["router"]
+
+        elsewhere = _LocalCluster(args(redis_url="redis://127.0.0.1:1/0", etcd_url=ep.etcd_url), tmp_path / "up2")
+        assert elsewhere.procs.role_urls is None
+        assert elsewhere.procs._redis_for("router") == (["--redis-url", "redis://127.0.0.1:1/0"], None)
+    finally:
+        svc.stop()
 
 
 # -- the whole cluster, every role as its own user ----------------------------------------------------------------
