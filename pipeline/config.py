@@ -180,8 +180,13 @@ class ClusterSpec(_Strict):
 
 
 class ProfilingPolicy(_Strict):
-    estimator: Literal["seed", "shape"] = "seed"
-    """Memory estimate: `seed` (in*200 + out*1500 KB) or `shape` (KV bytes per token from the model shape)."""
+    estimator: Literal["seed", "shape"] = "shape"
+    """Memory estimate: `shape` (KV bytes per token from the model shape, over prompt + output, times
+    `shape_margin`; the default) or `seed` (the field report's in*200 + out*1500 KB)."""
+    shape_margin: float = Field(default=1.0, gt=0, le=100)
+    """Multiplier of the `shape` estimate. 1.0 reserves exactly the KV a sequence holds when it ends: measured in the
+    simulator at saturation, KV use stays above 90% with no preemption (docs/SIMULATOR.md, window-batching); below 1
+    the batcher overcommits memory and the engines preempt."""
     token_rates: TokenRates = TokenRates()
     """Default rates of the fast token estimator (a model's own `token_rates` override them)."""
     prefix_block_tokens: int = Field(default=512, ge=16, le=65_536)
@@ -191,10 +196,13 @@ class ProfilingPolicy(_Strict):
 
 
 class PrefixCacheRule(_Strict):
-    """Seed rule: a long prompt that leaves its affinity rack runs with prefix caching off (its prefix is not cached
-    there, and caching it would evict what the rack's own users reuse)."""
+    """Seed rule: a long prompt that leaves its affinity rack for load runs with prefix caching off (its prefix is
+    not cached there, and caching it would evict what the rack's own users reuse). A request sent to another rack
+    because its prefix is cached there keeps caching. Off by default: measured in the simulator on the Mooncake trace
+    at 0.8 of capacity, turning caching off for walked requests cut the prefix hit rate by a third and doubled the
+    P99 TTFT (docs/SIMULATOR.md), since a walked conversation's next turn finds its history cached nowhere."""
 
-    enabled: bool = True
+    enabled: bool = False
     """Apply the rule."""
     min_tokens: int = Field(default=512, ge=0, le=10_000_000)
     """Prompts longer than this lose prefix caching when routed away from their affinity rack."""
@@ -213,11 +221,28 @@ class RouterPolicy(_Strict):
     would throw away affinity (and its KV cache) over a difference of two or three requests."""
     prefix_cache_rule: PrefixCacheRule = PrefixCacheRule()
     """When to turn prefix caching off for a request (ARCHITECTURE §2)."""
+    prefix_aware: bool = True
+    """Weigh where a request's leading prefix blocks are cached (the racks' block index) and how much work each rack
+    has queued against user affinity; off: the user's hash rack unless it is over the load bound (the seed)."""
+    affinity_tokens: float = Field(default=8192.0, ge=0, le=1e9)
+    """What keeping a user on its own rack is worth, in prompt tokens: another rack must save more than this (cached
+    prefix tokens plus less work queued per node) to take the request."""
+    decode_weight_tokens: float = Field(default=256.0, ge=0, le=1e9)
+    """Work of one queued or running sequence, in prompt tokens, in a rack's work figure (next to its queued
+    prefill tokens)."""
+    work_slack_tokens: float = Field(default=32768.0, ge=0, le=1e12)
+    """Work per node (prompt tokens) a rack may be above load_bound x the mean before affinity is given up, when
+    the racks' work is known (the work form of `load_slack`)."""
 
 
 NodePolicyName = Literal[
-    "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware"
+    "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware",
+    "work_aware", "llm_d", "dynamo", "sglang", "lmetric",
 ]
+ALL_NODE_POLICIES: tuple[NodePolicyName, ...] = (
+    "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware",
+    "work_aware", "llm_d", "dynamo", "sglang", "lmetric",
+)
 
 
 class KvAwareParams(_Strict):
@@ -228,14 +253,48 @@ class KvAwareParams(_Strict):
     """Prefix blocks remembered per node (LRU) by the approximate prefix index."""
 
 
+class WorkAwareParams(_Strict):
+    """Constants of the `work_aware` policy (rackflow's default): a request goes where its predicted cost, in
+    milliseconds of the node's own cost model, is lowest (see pipeline/routing/node_policies/work_aware.py)."""
+
+    e2e_weight: float = Field(default=0.3, ge=0, le=100)
+    """Weight of the request's own decode time ((out - 1) x the node's decode step with it added) next to its time to
+    first token; 0 prices the first token alone."""
+    others_weight: float = Field(default=0.06, ge=0, le=100)
+    """Weight of what the request's prefill costs the sequences already decoding on the node (their iterations
+    stretch while its chunks run)."""
+    queue_weight: float = Field(default=0.0, ge=0, le=100)
+    """Requests waiting in the node's engine count this much each next to its decoding ones in that term: under
+    overload they stand for the work queued behind the request, and recomputing a prefix there delays them all."""
+    kv_soft_limit: float = Field(default=0.9, ge=0, lt=1)
+    """KV use (reserved + this request, over capacity) above which a node is priced up for memory pressure."""
+    kv_weight_ms: float = Field(default=2000.0, ge=0, le=1e9)
+    """Cost added when the node would be full (linear from the soft limit to 100% KV use), ms."""
+    use_slowdown: bool = True
+    """Multiply a node's times by its measured slowdown (observed / modelled iteration time), the health term."""
+    index: Literal["precise", "approximate"] = "precise"
+    """Prefix hits from the engines' block events (`precise`, where the batcher is fed them) or from this policy's
+    own dispatches (`approximate`, an LRU per node as llm-d's approximate scorer keeps)."""
+    wait_margin_ms: float = Field(default=0.0, ge=0, le=1e9)
+    """When every node that has room for the request costs more than this above its cheapest node (which has none
+    now: its memory budget or its queue is full), the request waits in the batcher for that one, up to
+    `max_wait_ms`, unless a node with room has nothing to prefill (it would idle)."""
+    max_wait_ms: float = Field(default=20_000.0, ge=0, le=1e9)
+    """The longest a request waits in the batcher for its cheapest node; then it goes wherever there is room. Above
+    capacity every request waits that long anyway (the gateway bounds the queue): measured on the Mooncake trace at
+    1.5x load, 20 s keeps 0.43 of prompt tokens cached against 0.30 with 2 s, and serves 9% more."""
+    temperature_ms: float = Field(default=0.0, ge=0, le=1e9)
+    """0: the cheapest node. Above 0: sample a softmax over -cost / temperature_ms (several batchers per rack placing
+    from views a refresh apart would otherwise all pick the same node)."""
+
+
 class NodeSelectionPolicy(_Strict):
-    policy: NodePolicyName = "weighted"
-    """Node choice inside a rack; `weighted` is the seed's W-weighted random."""
+    policy: NodePolicyName = "work_aware"
+    """Node choice inside a rack; `work_aware` prices each request in predicted milliseconds per node (the default),
+    `weighted` is the seed's W-weighted random."""
     allow_request_override: bool = True
     """Let a request pick its policy with the `X-Route-Policy` header."""
-    allowed_overrides: tuple[NodePolicyName, ...] = (
-        "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware"
-    )
+    allowed_overrides: tuple[NodePolicyName, ...] = ALL_NODE_POLICIES
     """Policies a request may ask for."""
     refresh_ms: int = Field(default=200, ge=10, le=60_000)
     """How often node weights are refreshed from the nodes' live status."""
@@ -249,6 +308,8 @@ class NodeSelectionPolicy(_Strict):
     """`static_weight` policy: weight per node name or GPU type (node name wins); default 1."""
     kv_aware: KvAwareParams = KvAwareParams()
     """Parameters of the `kv_aware` policy."""
+    work_aware: WorkAwareParams = WorkAwareParams()
+    """Parameters of the `work_aware` policy (the default)."""
 
 
 class BatcherPolicy(_Strict):
@@ -260,6 +321,19 @@ class BatcherPolicy(_Strict):
     """A request that waited this many windows is packed first and may reserve a node (no starvation)."""
     close_when_node_idle: bool = True
     """Close the window at once when a node of the rack has no running sequence."""
+    max_queued_prefill_tokens: int = Field(default=16384, ge=0, le=100_000_000)
+    """Late binding (`late_binding`): a node with this many prompt tokens queued for prefill (its engine's queue plus
+    what was sent to it and not admitted yet) gets no more late-bound work until it drains below: the queue waits in
+    the batcher, where any node that frees up can take it (0: no bound, only memory and slots)."""
+    late_binding: Literal["none", "policy", "all"] = "none"
+    """Which requests wait in the batcher until a node can start them now (under `max_queued_prefill_tokens` of
+    queued prefill): `none` (every request goes out as soon as a node has memory and a slot for it, as the anchors'
+    routers do), `policy` (requests of policies that ask for it: work_aware), `all` (every node policy). Measured in
+    the simulator (docs/SIMULATOR.md): late binding lowers P99 TTFT and raises the cache hit rate at 1.5x load, but
+    raises P99 end-to-end latency up to capacity (decodes then share every node with a steady trickle of prefill)."""
+    close_when_room: bool = True
+    """Close the window at once when a waiting request fits a node that can start it now (budget and a free
+    sequence slot): the window only ever holds requests no node could take."""
     mode: Literal["window", "fixed"] = "window"
     """`window`: the memory-budget sliding window; `fixed`: batches of `fixed_batch` requests (the baseline)."""
     fixed_batch: int = Field(default=32, ge=1, le=100_000)
@@ -306,6 +380,10 @@ class VllmEngineConfig(_Strict):
 
 
 class KvTierConfig(_Strict):
+    host_prefix_gb_per_gpu: float = Field(default=128.0, ge=0, le=1e6)
+    """Host memory per GPU that keeps prefix KV blocks evicted from GPU memory (vLLM's OffloadingConnector, LMCache's
+    CPU backend): a prompt whose prefix is there loads it back over PCIe instead of prefilling it again. 128 GB is
+    half of a DGX H100's 2 TB per GPU; 0 keeps the prefix cache in GPU memory only."""
     l1_capacity_mb: float = Field(default=1024.0, ge=0, le=1e9)
     """L1: node-local host memory (shared by the node's processes) for KV snapshots; 0 disables L1."""
     l1_dir: str = "/dev/shm/rackflow-kv"
@@ -420,6 +498,11 @@ class GatewayConfig(_Strict):
     """Requests queued in a rack (its batcher's lag + pending on `rf:rack:{R}:req`, plus the requests waiting in
     its nodes' engines) above which the rack is saturated: a new request gets 429 when the rack the router would
     choose for it (affinity hash + bounded-load walk, predicted by the gateway) is saturated."""
+    max_queue_s: float = Field(default=5.0, ge=0, le=86_400)
+    """A new request also gets 429 when the queue of the rack it would go to holds more than this many seconds of
+    work: its queued requests over the rack's completions per second in the last few seconds (0: only the
+    `max_rack_queue` count bound). Above capacity this holds the queue, and so the wait before a first token, near
+    this bound instead of letting it grow (pipeline/admission.py; the simulator sheds the same way)."""
     max_retry_after_s: int = Field(default=30, ge=1, le=3600)
     """Cap of the `Retry-After` computed from the queue ahead and the recent completion rate."""
     saturation_refresh_ms: int = Field(default=200, ge=10, le=60_000)
@@ -579,6 +662,15 @@ class RackflowConfig(_Strict):
             ("racks_serving", model),
             lambda: tuple(r.name for r in self.cluster.racks if any(model in n.models for n in r.expanded())),
         )
+
+    def node_kv_capacity_kb(self, node: str) -> float:
+        """The KV cache of one node's engine, KB: mem_budget_fraction (vLLM's gpu_memory_utilization) of its GPU
+        memory x tp, less the weights of the model it serves (its first). What the batcher's budget is measured
+        against when the engine reports nothing else."""
+        spec = self.node(node)
+        gpu = self.gpus[spec.gpu]
+        usable = gpu.memory_gb * 1e9 * spec.tp * self.policies.batcher.mem_budget_fraction
+        return max(0.0, usable - self.models[spec.models[0]].weight_bytes) / 1000.0
 
     def node_mem_budget_kb(self, node: str) -> float:
         """The batcher's memory cap for one node: mem_budget_fraction of its GPU memory x tp, in KB."""

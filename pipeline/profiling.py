@@ -18,18 +18,19 @@ from pipeline.tokens import estimate_tokens, prefix_hashes_from_ids, prefix_hash
 __all__ = ["ProfileInput", "estimate_mem_kb", "estimate_tokens", "expected_out_tokens", "profile_request"]
 
 
-def estimate_mem_kb(model: ModelSpec, in_tokens: int, out_tokens: int, estimator: str) -> float:
+def estimate_mem_kb(model: ModelSpec, in_tokens: int, out_tokens: int, estimator: str, margin: float = 1.0) -> float:
     """Estimated KV memory of one request, KB (10^3 bytes).
 
     `seed`: the field report's formula, mem_est_kb = in * 200 + out * 1500 (coefficients per model in config).
-    `shape`: KV bytes per token from the model's shape, 2 * layers * kv_heads * head_dim * dtype_bytes.
+    `shape`: KV bytes per token from the model's shape, 2 * layers * kv_heads * head_dim * dtype_bytes, over the
+    prompt and the output: the KV the sequence holds when it ends, times `margin` (`profiling.shape_margin`).
     """
     if in_tokens < 0 or out_tokens < 0:
         raise ValueError(f"token counts must be >= 0, got in={in_tokens} out={out_tokens}")
     if estimator == "seed":
         return in_tokens * model.mem_in_kb_per_token + out_tokens * model.mem_out_kb_per_token
     if estimator == "shape":
-        return (in_tokens + out_tokens) * model.kv_bytes_per_token / 1000.0
+        return (in_tokens + out_tokens) * model.kv_bytes_per_token / 1000.0 * margin
     raise ValueError(f"unknown memory estimator {estimator!r}; allowed: seed, shape")
 
 
@@ -94,7 +95,7 @@ def profile_request(
         in_tokens=in_tokens,
         out_tokens=out_tokens,
         max_tokens=max_tokens,
-        mem_est_kb=estimate_mem_kb(model, in_tokens, out_tokens, policy.estimator),
+        mem_est_kb=estimate_mem_kb(model, in_tokens, out_tokens, policy.estimator, policy.shape_margin),
         arrival_ms=inp.arrival_ms,
         prompt=inp.prompt,
         priority=inp.priority,

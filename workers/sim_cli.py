@@ -154,8 +154,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
             (Path(args.out) / "sim.json").write_text(json.dumps(out, indent=2, sort_keys=True))
         _emit(out, args.json)
         return 0 if out["completed"] + out["dropped"] == out["requests"] else 1
+    if args.action == "matrix":
+        from workers.sim_matrix import cmd_matrix
+
+        return cmd_matrix(args)
+    if args.action == "trace":
+        return cmd_trace(args)
     if args.action == "compare":
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        policies = [p.strip() for p in (args.policies or COMPARE_POLICIES).split(",") if p.strip()]
         reqs = prepare_requests(args, seed)
         rows: dict[str, dict[str, Any]] = {}
         results: dict[str, SimResult] = {}
@@ -177,6 +183,32 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from workers.sim_experiments import run_experiment
 
     return run_experiment(args)
+
+
+COMPARE_POLICIES = "round_robin,weighted,least_outstanding,kv_aware,work_aware"
+MULTITURN = REPO / "data" / "traces" / "synthetic" / "multiturn.jsonl"
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """`rackflow sim trace multiturn [--out PATH]`: write the multi-turn synthetic trace (Mooncake JSONL + user_id)."""
+    from pipeline.sim.traces import MultiTurnSpec, multiturn, to_jsonl
+    from pipeline.tokens import prefix_hashes_from_ids
+
+    if args.name != "multiturn":
+        print(f"rackflow sim trace: unknown trace {args.name!r}; available: multiturn", file=sys.stderr)
+        return 2
+    cfg = sim_config(Path(args.config_dir), [Path(p) for p in args.config], args.cluster, None)
+    spec = MultiTurnSpec(block_tokens=cfg.policies.profiling.prefix_block_tokens)
+    if args.requests:
+        spec = MultiTurnSpec(conversations=max(1, args.requests // 4), block_tokens=spec.block_tokens)
+    reqs = multiturn(spec, random.Random(args.seed), prefix_hashes_from_ids)
+    path = Path(args.out or MULTITURN)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for r in reqs:
+            fh.write(to_jsonl(r) + "\n")
+    print(f"wrote {len(reqs)} requests over {reqs[-1].arrival_ms / 1000:.0f} s to {path}" if reqs else "no requests")
+    return 0
 
 
 def _with_seed(cfg: RackflowConfig, seed: int) -> RackflowConfig:
@@ -242,15 +274,23 @@ def plot_compare(results: dict[str, SimResult], path: Path, title: str) -> None:
 
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies")
-    s.add_argument("action", choices=["run", "compare", "experiment"])
-    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto")
+    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace"])
+    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto; "
+                                           "trace: multiturn")
     s.add_argument("--trace", default=None, help=f"trace file (default for azure: {AZURE_CONV.relative_to(REPO)})")
     s.add_argument("--format", default="azure", choices=["azure", "mooncake", "synthetic"])
     s.add_argument("--cluster", default=None, help="YAML with a `cluster:` (and optionally other sections) "
                                                    "merged over configs/")
     s.add_argument("--policy", default=None, help="node policy (default: node_selection.policy)")
-    s.add_argument("--policies", default="round_robin,weighted,least_outstanding,kv_aware",
-                   help="compare: comma-separated node policies")
+    s.add_argument("--policies", default=None,
+                   help=f"compare: comma-separated node policies (default {COMPARE_POLICIES}); matrix: default all")
+    s.add_argument("--traces", default=None, help="matrix: PATH:FORMAT,... (FORMAT azure|mooncake; default the Azure "
+                                                  "conv and code traces and the Mooncake trace)")
+    s.add_argument("--loads", default=None, help="matrix: fractions of capacity (default 0.5,0.8,1.0,1.5)")
+    s.add_argument("--states", default=None, help="matrix: healthy,slow,death (default all three)")
+    s.add_argument("--repeats", type=int, default=1, help="matrix: runs per cell with other user draws and seeds, "
+                                                          "latencies pooled")
+    s.add_argument("--jobs", type=int, default=None, help="matrix: worker processes (default: the CPU count)")
     s.add_argument("--model", default=None, help="model of the trace's requests (default: the first served)")
     s.add_argument("--rate-scale", type=float, default=None, help="multiply the request rate (default 1; "
                                                                   "experiments pick their own)")

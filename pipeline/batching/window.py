@@ -1,8 +1,12 @@
 """WindowBatcher: per rack, collect a window of requests, sort by estimated memory, pack into node budgets.
 
 Rules (ARCHITECTURE §3, seed §4):
-- a window opens with its first request and closes after `window_ms`, or earlier when a node of the rack is idle
-  or the pending memory already fills the largest node budget (the window is a bound, not a forced wait);
+- a window opens with its first request and closes after `window_ms`, or earlier when a node of the rack is idle,
+  when a waiting request fits a node that can start it now (room: budget and a free sequence slot), or when the
+  pending memory already fills the largest node budget (the window is a bound, not a forced wait);
+- a node's budget is min(live free KV memory, cap); a node whose engine runs its most sequences (`max_seqs`) with
+  requests already waiting, or has `max_queued_prefill_tokens` of prompts queued for prefill, takes nothing more this
+  window, so requests wait here, where any node can still take them, rather than in one engine's queue;
 - at close, requests are sorted by mem_est ascending and packed into the node chosen by the node policy until its
   budget (min(live free KV memory, cap)) is reached; then the next node is chosen among the rest, and so on
   (first fit over the chosen nodes); a per-request policy (kv_aware) places each request on its own;
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.config import BatcherPolicy
 from pipeline.events import RequestEvent
+from pipeline.routing.node_policies.base import NodePolicy
 from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 
@@ -102,6 +107,7 @@ class CloseReason(enum.Enum):
     EMPTY = "empty"
     WINDOW_ELAPSED = "window elapsed"
     NODE_IDLE = "node idle"
+    ROOM = "node has room"
     BUDGET_FULL = "budget full"
     NOT_YET = "not yet"
 
@@ -164,10 +170,26 @@ class WindowBatcher:
 
     def budgets(self, nodes: Sequence[NodeView]) -> dict[str, float]:
         return {
-            n.name: max(0.0, min(self.node_caps_kb.get(n.name, 0.0), n.kv_free_kb))
+            n.name: (max(0.0, min(self.node_caps_kb.get(n.name, 0.0), n.kv_free_kb)) if _slots(n) > 0 else 0.0)
             for n in nodes
             if n.active and n.name in self.node_caps_kb
         }
+
+    def _late(self, policy: str) -> bool:
+        """Late binding for requests of this node policy: `batcher.late_binding` `all`, or `policy` and the policy
+        asks for it (work_aware)."""
+        mode = self.policy.late_binding
+        return mode == "all" or (mode == "policy" and self.policies.late_binding(policy))
+
+    def _room_now(self, n: NodeView, late: bool) -> bool:
+        """The node would start more work now: memory and a slot, and for a late-binding policy less than the
+        prefill horizon queued."""
+        horizon = self.policy.max_queued_prefill_tokens
+        return not late or not horizon or n.prefill_tokens < horizon
+
+    def _smallest_pending(self) -> float:
+        fresh = min((p.request.mem_est_kb for p in self._fresh), default=float("inf"))
+        return min(fresh, self._aged_mems[0]) if self._aged_mems else fresh
 
     def close_reason(self, now_ms: float, nodes: Sequence[NodeView]) -> CloseReason:
         if not self._fresh and not self._aged:
@@ -176,9 +198,14 @@ class WindowBatcher:
         if now_ms >= self.window_open_ms + self.policy.window_ms:  # same float expression as the timer
             return CloseReason.WINDOW_ELAPSED
         budgets = self.budgets(nodes)
+        views_by_name = {n.name: n for n in nodes}
         if self.policy.close_when_node_idle and any(n.idle and budgets.get(n.name, 0) > 0 for n in nodes):
             return CloseReason.NODE_IDLE
-        if budgets:
+        late = self._late(self.policies.default)
+        if self.policy.close_when_room and budgets and self._smallest_pending() <= max(
+                (b for n, b in budgets.items() if self._room_now(views_by_name[n], late)), default=0.0):
+            return CloseReason.ROOM
+        if budgets and not late:  # a late-binding policy places when a node has room, not when a window fills
             top = max(budgets.values())
             total = 0.0
             for p in self._fresh:
@@ -199,6 +226,7 @@ class WindowBatcher:
 
     def close(self, now_ms: float, nodes: Sequence[NodeView]) -> WindowOutcome:
         self._closes[0] += 1
+        horizon = self.policy.max_queued_prefill_tokens
         rejections: list[Rejection] = []
         fresh: list[PendingRequest] = []
         for p in self._fresh:
@@ -233,6 +261,7 @@ class WindowBatcher:
                     reserved = max(able, key=lambda n: budgets[n])
                     del budgets[reserved]
         opening_budget = dict(budgets)
+        slots = {n: _slots(views[n]) for n in budgets}
         plans: dict[str, list[PendingRequest]] = {}
         choices: dict[str, list[DispatchChoice]] = {}
         opened: dict[tuple[str, str], list[str]] = {}
@@ -249,8 +278,17 @@ class WindowBatcher:
                 return False
             pname = self.policies.resolve(req.route_policy)
             pol = self.policies.get(pname)
-            cands = [views[n] for n in sorted(budgets) if budgets[n] >= mem and self.serves(n, req.model)]
+            late = self._late(pname)
+            cands = [views[n] for n in sorted(budgets) if budgets[n] >= mem and self.serves(n, req.model)
+                     and (not late or not horizon or views[n].prefill_tokens < horizon)]
             if not cands:
+                return False
+            waits = getattr(pol, "waits_for", None)
+            # a request may wait here for a node that cannot take it now (its prefix is cached there) while it stays
+            # free to go anywhere; the policy says for how long
+            if waits is not None and len(cands) < len(
+                    everyone := [views[n] for n in sorted(budgets) if self.serves(n, req.model)]
+            ) and waits(everyone, cands, req, now_ms - p.enqueued_ms):
                 return False
             key = (req.model, pname)
             node: str | None = None
@@ -272,13 +310,23 @@ class WindowBatcher:
                 if not pol.per_request:
                     opened.setdefault(key, []).append(node)
                     open_choice[(req.model, pname, node)] = len(choices[node]) - 1
+            commit(p, node, pol)
+            return True
+
+        def commit(p: PendingRequest, node: str, pol: NodePolicy) -> None:
+            nonlocal max_budget
+            req = p.request
+            mem = req.mem_est_kb
             plans.setdefault(node, []).append(p)
             budgets[node] -= mem
+            slots[node] -= 1
+            if slots[node] <= 0:
+                budgets[node] = 0.0
             max_budget = max(budgets.values(), default=0.0)
             v = views[node]
-            views[node] = replace(v, kv_free_kb=max(0.0, v.kv_free_kb - mem), waiting=v.waiting + 1)
+            views[node] = replace(v, kv_free_kb=max(0.0, v.kv_free_kb - mem), waiting=v.waiting + 1,
+                                  prefill_tokens=v.prefill_tokens + req.in_tokens)
             pol.observe(node, req)
-            return True
 
         # aged requests first, oldest first (first fit); stop as soon as no budget holds the smallest of them
         kept: list[tuple[float, str, int, PendingRequest]] = []
@@ -316,3 +364,11 @@ class WindowBatcher:
             stop = StopReason.NO_BUDGET
         self.window_open_ms = now_ms if waiting else None
         return WindowOutcome(out, tuple(rejections), waiting, reserved, stop)
+
+
+def _slots(n: NodeView) -> float:
+    """Sequences a node can still start soon: free running slots plus one (the next one queued), unbounded when the
+    engine does not say how many it runs."""
+    if n.max_seqs <= 0:
+        return float("inf")
+    return n.max_seqs + 1 - (n.running + n.waiting)

@@ -46,3 +46,87 @@ class PrefixIndex:
 
     def size(self, node: str) -> int:
         return len(self._nodes.get(node, ()))
+
+
+class BlockIndex:
+    """Precise prefix index: which owners (nodes, or racks) hold which prefix blocks, kept from the engines' own
+    block events (stored / removed, as vLLM publishes them and as llm-d's precise-prefix scorer and Dynamo's KV router
+    consume them). Unlike `PrefixIndex` it never guesses: a block is listed for an owner from the moment the engine
+    reports it cached until the engine reports it evicted (or the owner is cleared: a dead node, a restart).
+
+    One hash may be held by several owners (a hot system prompt on every node); `matches` walks a prompt's leading
+    hashes once and returns, per owner, how many of them it holds in a row.
+    """
+
+    def __init__(self) -> None:
+        self._owners: dict[int, set[str]] = {}
+        self._held: dict[str, set[int]] = {}
+
+    def stored(self, owner: str, hashes: Sequence[int]) -> None:
+        held = self._held.setdefault(owner, set())
+        owners = self._owners
+        for h in hashes:
+            if h not in held:
+                held.add(h)
+                s = owners.get(h)
+                if s is None:
+                    owners[h] = {owner}
+                else:
+                    s.add(owner)
+
+    def removed(self, owner: str, hashes: Sequence[int]) -> None:
+        held = self._held.get(owner)
+        if not held:
+            return
+        owners = self._owners
+        for h in hashes:
+            if h in held:
+                held.discard(h)
+                s = owners.get(h)
+                if s is not None:
+                    s.discard(owner)
+                    if not s:
+                        del owners[h]
+
+    def clear(self, owner: str) -> None:
+        held = self._held.pop(owner, None)
+        if held:
+            owners = self._owners
+            for h in held:
+                s = owners.get(h)
+                if s is not None:
+                    s.discard(owner)
+                    if not s:
+                        del owners[h]
+
+    def matches(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Owner -> number of leading blocks of `hashes` it holds (owners holding none are left out)."""
+        out: dict[str, int] = {}
+        if not hashes:
+            return out
+        first = self._owners.get(hashes[0])
+        if not first:
+            return out
+        alive = set(first)
+        k = 1
+        for h in hashes[1:]:
+            s = self._owners.get(h)
+            if s is None:
+                break
+            gone = alive - s
+            if gone:
+                for o in gone:
+                    out[o] = k
+                alive -= gone
+                if not alive:
+                    break
+            k += 1
+        for o in alive:
+            out[o] = k
+        return out
+
+    def size(self, owner: str) -> int:
+        return len(self._held.get(owner, ()))
+
+    def owners(self) -> list[str]:
+        return sorted(o for o, held in self._held.items() if held)

@@ -12,6 +12,15 @@ class RackView:
     """At least one active node."""
     load: float
     """Outstanding work of the rack (requests queued + running), in requests."""
+    work: float = 0.0
+    """Outstanding work of the rack in prompt-token units: prefill tokens queued (in its batcher and its engines)
+    plus `router.decode_weight_tokens` per sequence queued or running. 0 with `nodes` 0: not known."""
+    nodes: int = 0
+    """Active nodes of the rack (the work is compared per node); 0: work not known, balance on `load`."""
+
+    @property
+    def work_per_node(self) -> float:
+        return self.work / self.nodes if self.nodes > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +37,22 @@ class NodeView:
     """Free KV memory for new sequences, after reservations the batcher has not seen admitted yet."""
     running: int
     waiting: int
+    prefill_tokens: int = 0
+    """Prompt tokens queued on the node that are not prefilled yet: the uncached rest of the prompts it is
+    prefilling and the whole prompts of the sequences waiting for admission (and of batches dispatched to it that it
+    has not admitted yet). The prefill work ahead of a new request."""
+    decode_seqs: int = 0
+    """Sequences in their decode phase (each gets one token per iteration)."""
+    decode_tokens: int = 0
+    """KV tokens of the decoding sequences: what one decode iteration reads."""
+    kv_usage: float = 0.0
+    """The engine's own KV-cache use, 0..1 of its KV blocks (vLLM's `gpu_cache_usage_perc`), not the batcher's
+    estimate."""
+    slowdown: float = 1.0
+    """Observed iteration time over the cost model's prediction for the same iterations (EWMA); 1: as fast as the
+    node's GPU type should be, 1.5: a throttled or degraded node."""
+    max_seqs: int = 0
+    """Sequences the engine runs at once (vLLM's max_num_seqs); 0: unknown (no slot bound)."""
 
     @property
     def idle(self) -> bool:

@@ -3,7 +3,9 @@
 - Admission FCFS from the waiting queue while KV blocks (block_size tokens each) and `max_num_seqs` allow; a
   request's prompt is allocated at admission; prompts are prefilled in chunks under a token budget per iteration
   (`max_num_batched_tokens`, decode tokens count against it: chunked prefill).
-- Prefix cache: an LRU of prefix-block hashes; the cached part of a prompt is not prefilled (it still holds KV).
+- Prefix cache (`pipeline.kv.prefix_cache`): an LRU of prefix-block hashes in GPU memory, and optionally a host-memory
+  tier under it; the cached part of a prompt is not prefilled (it still holds KV), a part found only in host memory
+  is loaded back over the host link (its transfer time is added to the iteration).
 - Decode: between composition changes the node runs a "stretch" of identical decode steps whose total time comes
   from the cost model in closed form (`decode_span_ms`), so a request costs a few events, not one per token. A
   stretch ends at the first finishing sequence or when KV memory would run out; an arrival shortens the stretch to
@@ -17,10 +19,12 @@ stretch is O(1) whatever the batch size.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from pipeline.kv.prefix_cache import BlockListener, PrefixCache
 
 
 class StepCost(Protocol):
@@ -50,6 +54,8 @@ class SimSeq:
     """Value of the node's decode-step counter at which this sequence has generated all `remaining` tokens."""
     started_step: int = 0
     admitted_ms: float = 0.0
+    host_tokens: int = 0
+    """Of `cached`, the tokens loaded back from the host-memory tier (charged to its first prefill chunk)."""
 
 
 @dataclass(slots=True)
@@ -83,6 +89,11 @@ class SimNode:
         kv_bytes_per_token: int,
         prefix_block_tokens: int,
         prefix_cache: bool = True,
+        host_cache_blocks: int = 0,
+        host_link_gbps: float = 64.0,
+        block_listener: BlockListener | None = None,
+        util_bin_ms: float = 10_000.0,
+        preempted: set[int] | None = None,
     ) -> None:
         self.name = name
         self.rack = rack
@@ -97,8 +108,14 @@ class SimNode:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.prefix_block_tokens = prefix_block_tokens
         self.prefix_enabled = prefix_cache
-        self.prefix_lru: OrderedDict[int, None] = OrderedDict()
-        self.prefix_capacity = max(1, kv_capacity_tokens // prefix_block_tokens)
+        self.prefix = PrefixCache(max(1, kv_capacity_tokens // prefix_block_tokens), host_cache_blocks,
+                                  block_listener)
+        self.host_ms_per_token = kv_bytes_per_token / (host_link_gbps * 1e6) if host_link_gbps > 0 else 0.0
+        """Time to load one token's KV back from host memory (bytes / link bandwidth), ms."""
+        self.prefill_backlog = 0
+        """Prompt tokens queued here and not prefilled yet (NodeView.prefill_tokens)."""
+        self.slowdown = 1.0
+        """EWMA of (iteration time / the cost model's time for it): what the live worker measures."""
         self.waiting: deque[SimSeq] = deque()
         self.prefilling: list[SimSeq] = []
         self.decoding: dict[int, SimSeq] = {}
@@ -128,9 +145,15 @@ class SimNode:
         """Integral of running sequences (mean concurrency)."""
         self._last_mem_t = 0.0
         self.preemptions = 0
+        self.preempted = preempted if preempted is not None else set()
+        """Requests preempted at least once (shared by the nodes of a simulation)."""
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.host_hit_tokens = 0
         self.iterations = 0
+        self.util_bin_ms = util_bin_ms
+        self.kv_bins: list[float] = []
+        """Per `util_bin_ms` of simulated time: the integral of KV used / KV capacity (ms) within it."""
 
     # -- views ---------------------------------------------------------------------------------------------------
     @property
@@ -156,16 +179,34 @@ class SimNode:
 
     def _account_mem(self, now: float) -> None:
         if now > self._last_mem_t:
-            dt = now - self._last_mem_t
+            t0 = self._last_mem_t
+            dt = now - t0
+            kv = min(1.0, self.kv_tokens / self.capacity_tokens)
             self.mem_integral += self._mem_frac() * dt
-            self.kv_integral += min(1.0, self.kv_tokens / self.capacity_tokens) * dt
+            self.kv_integral += kv * dt
             self.seq_integral += self.running * dt
             self._last_mem_t = now
+            if kv > 0:
+                w = self.util_bin_ms
+                bins = self.kv_bins
+                k = int(t0 // w)
+                while t0 < now:
+                    end = min(now, (k + 1) * w)
+                    while len(bins) <= k:
+                        bins.append(0.0)
+                    bins[k] += kv * (end - t0)
+                    t0 = end
+                    k += 1
 
     # -- intake --------------------------------------------------------------------------------------------------
     def submit(self, seq: SimSeq) -> None:
         self.waiting.append(seq)
         self.mem_est_used += seq.mem_est_kb
+        self.prefill_backlog += seq.prompt
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self.kv_tokens / self.capacity_tokens) if self.capacity_tokens else 0.0
 
     def drain_all(self, now: float) -> list[SimSeq]:
         """Remove every sequence (the node died): returns them with `prompt`/`remaining` set for a re-prefill
@@ -187,31 +228,30 @@ class SimNode:
         self._finish_heap.clear()
         self.kv_tokens = self.kv_decoding = 0
         self.mem_est_used = 0.0
+        self.prefill_backlog = 0
         self.phase = None
         self.epoch += 1
         self.alive = self.accepting = False
+        self.prefix.clear()  # a dead node's GPU and host memory are gone
         return [SimSeq(s.rid, s.prompt, s.remaining, s.mem_est_kb, s.prefix) for s in out]
 
     # -- prefix cache --------------------------------------------------------------------------------------------
-    def _prefix_hit_tokens(self, seq: SimSeq) -> int:
+    def _prefix_hit(self, seq: SimSeq) -> tuple[int, int]:
+        """(cached tokens, of which loaded from host memory) of a sequence being admitted."""
         if not self.prefix_enabled or not seq.prefix:
-            return 0
-        k = 0
-        for h in seq.prefix:
-            if h not in self.prefix_lru:
-                break
-            self.prefix_lru.move_to_end(h)
-            k += 1
-        return min(seq.prompt - 1, k * self.prefix_block_tokens) if k else 0
+            return 0, 0
+        hit = self.prefix.lookup(seq.prefix)
+        if not hit.blocks:
+            return 0, 0
+        cached = min(seq.prompt - 1, hit.blocks * self.prefix_block_tokens)
+        # host blocks are the later ones of the run only if GPU ones precede them; count them at block size,
+        # capped by what is cached
+        return cached, min(cached, hit.host_blocks * self.prefix_block_tokens)
 
     def _prefix_insert(self, seq: SimSeq) -> None:
         if not self.prefix_enabled or not seq.prefix:
             return
-        for h in reversed(seq.prefix):
-            self.prefix_lru[h] = None
-            self.prefix_lru.move_to_end(h)
-        while len(self.prefix_lru) > self.prefix_capacity:
-            self.prefix_lru.popitem(last=False)
+        self.prefix.insert(seq.prefix)
 
     # -- scheduling ----------------------------------------------------------------------------------------------
     def _blocks(self, tokens: int) -> int:
@@ -222,20 +262,28 @@ class SimNode:
         return self.capacity_tokens - self.kv_tokens - self.block_size * (len(self.prefilling) + len(self.decoding))
 
     def _admit(self, now: float) -> None:
-        while self.waiting and self.running < self.max_num_seqs:
+        # vLLM v1's scheduler: a waiting request is scheduled only with what the iteration's token budget has left
+        # after the running ones (decode tokens and prefill chunks in progress); the rest stay waiting, holding no
+        # KV blocks, and count in the engine's queue (num_requests_waiting)
+        budget = self.max_batched_tokens - len(self.decoding)
+        queued = sum(x.prompt - x.prefilled for x in self.prefilling)
+        while self.waiting and self.running < self.max_num_seqs and (queued < budget or not self.running):
             s = self.waiting[0]
             # its prompt, its first token, and one more token for each decoding sequence in this iteration
             need = self._blocks(s.prompt + 1) * self.block_size + len(self.decoding)
             if need > self._free_tokens() and self.running:
                 return
             self.waiting.popleft()
-            s.cached = self._prefix_hit_tokens(s)
+            s.cached, s.host_tokens = self._prefix_hit(s)
             s.prefilled = s.cached
             s.admitted_ms = now
             self.prompt_tokens += s.prompt
             self.cached_tokens += s.cached
+            self.host_hit_tokens += s.host_tokens
+            self.prefill_backlog -= s.cached
             self.kv_tokens += s.prompt
             self.prefilling.append(s)
+            queued += s.prompt - s.prefilled
 
     def _preempt_one(self) -> bool:
         """Recompute preemption of the most recently admitted decoding sequence."""
@@ -250,7 +298,9 @@ class SimNode:
         self._finish_heap = [(f, r) for f, r in self._finish_heap if r != rid]
         heapq.heapify(self._finish_heap)
         self.waiting.appendleft(SimSeq(s.rid, tokens, s.remaining - done, s.mem_est_kb, s.prefix))
+        self.prefill_backlog += tokens
         self.preemptions += 1
+        self.preempted.add(s.rid)
         return True
 
     def schedule(self, now: float) -> float | None:
@@ -265,6 +315,7 @@ class SimNode:
         if self.prefilling:
             budget = max(1, self.max_batched_tokens - len(self.decoding))
             chunks: list[tuple[SimSeq, int]] = []
+            load_ms = 0.0
             for s in self.prefilling:
                 if budget <= 0:
                     break
@@ -272,9 +323,12 @@ class SimNode:
                 if c > 0:
                     chunks.append((s, c))
                     budget -= c
-            dt = self.cost.step_ms(
+                    if s.host_tokens:  # its host-tier blocks come back over the link before its first chunk runs
+                        load_ms += s.host_tokens * self.host_ms_per_token
+                        s.host_tokens = 0
+            dt = (self.cost.step_ms(
                 [c for _, c in chunks], len(self.decoding), self.kv_decoding, [s.prefilled for s, _ in chunks]
-            ) * self.slow_factor
+            ) + load_ms) * self.slow_factor
             end = now + dt
             self.phase = ("prefill", end, chunks, now)
             return end
@@ -331,12 +385,14 @@ class SimNode:
             dt = now - t0
             self.busy_ms += dt
             self.avg_step_ms = 0.8 * self.avg_step_ms + 0.2 * dt if self.avg_step_ms else dt
+            self.slowdown = 0.8 * self.slowdown + 0.2 * self.slow_factor
             if self.decoding:  # decoding sequences got one token in this iteration too
                 self.steps += 1
                 self.kv_tokens += len(self.decoding)
                 self.kv_decoding += len(self.decoding)
             for s, c in chunks:
                 s.prefilled += c
+                self.prefill_backlog -= c
                 if s.prefilled >= s.prompt:
                     self.prefilling.remove(s)
                     self._prefix_insert(s)
@@ -360,6 +416,7 @@ class SimNode:
             self.busy_ms += now - t0
             per = (now - t0) / steps if steps else 0.0
             self.avg_step_ms = 0.8 * self.avg_step_ms + 0.2 * per if self.avg_step_ms else per
+            self.slowdown = 0.8 * self.slowdown + 0.2 * self.slow_factor
             self.steps += steps
             self.kv_tokens += n * steps
             self.kv_decoding += n * steps

@@ -60,10 +60,31 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
         "preemptions": res.preemptions,
         "migrations": res.migrations,
         "prefix_hit_rate": round(res.cached_tokens / res.prompt_tokens, 4) if res.prompt_tokens else 0.0,
+        "host_hit_rate": round(res.host_hit_tokens / res.prompt_tokens, 4) if res.prompt_tokens else 0.0,
+        "kv_util_peak": round(kv_util_peak(res), 4),
+        "preempted_frac": round(res.preempted / len(res.arrival), 5) if res.arrival else 0.0,
+        "shed": res.shed,
+        "shed_frac": round(res.shed / len(res.arrival), 5) if res.arrival else 0.0,
         "simulated_s": round(res.end_ms / 1000.0, 1),
         "events": res.events,
         "nodes": len(res.node_names),
     }
+
+
+def kv_util_peak(res: SimResult) -> float:
+    """KV utilisation at saturation: the cluster's KV used over KV capacity, averaged over each `util_bin_ms` of the
+    run (the last, partial bin left out), at its fullest bin."""
+    if not res.kv_bins:
+        return 0.0
+    full = int(res.end_ms // res.util_bin_ms)
+    if full <= 0:
+        return 0.0
+    n = len(res.kv_bins)
+    best = 0.0
+    for k in range(full):
+        used = sum(bins[k] for bins in res.kv_bins if k < len(bins))
+        best = max(best, used / (n * res.util_bin_ms))
+    return best
 
 
 def per_node_load(res: SimResult) -> dict[str, int]:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from pipeline.admission import RATE_WINDOW_S, Admission
 from pipeline.batching.fixed import FixedBatcher
 from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
 from pipeline.config import NodeSpec, RackflowConfig
@@ -27,8 +29,9 @@ from pipeline.events import RequestEvent
 from pipeline.failover import LiveSequence, plan_migrations
 from pipeline.health import HealthSample, HealthScorer
 from pipeline.profiling import estimate_mem_kb
-from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache
-from pipeline.routing.registry import NodePolicySet
+from pipeline.routing.prefix_index import BlockIndex
+from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache, rack_cached_tokens
+from pipeline.routing.registry import NodePolicySet, PolicyContext
 from pipeline.routing.views import NodeView, RackView
 from pipeline.sim.node import SimNode, SimSeq, StepCost
 from pipeline.sim.traces import TraceRequest
@@ -52,8 +55,6 @@ class SimParams:
     block_size: int = 16
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
-    gpu_memory_utilization: float = 0.9
-    """Share of GPU memory the engine may use for weights + KV cache (vLLM's gpu_memory_utilization)."""
     dispatch_latency_ms: float = 1.0
     """Batcher -> node (stream hop)."""
     migration_latency_ms: float = 5.0
@@ -64,6 +65,13 @@ class SimParams:
     """`window` (memory-budget sliding window) or `fixed` (fixed batch of `fixed_batch` requests)."""
     fixed_batch: int = 32
     prefix_cache: bool = True
+    host_prefix_cache: bool = True
+    """Keep prefix blocks evicted from GPU memory in host memory (`policies.kv.host_prefix_gb_per_gpu`)."""
+    util_bin_ms: float = 10_000.0
+    """Width of the time bins of KV utilisation (the peak is the fullest bin)."""
+    admission: bool = True
+    """Shed requests as the gateway does (`pipeline.admission`: rack queue bound in requests and in seconds of
+    work); off: every request is let in and queues."""
 
 
 @dataclass
@@ -103,6 +111,15 @@ class SimResult:
     end_ms: float
     events: int
     drop_reasons: dict[str, int] = field(default_factory=dict)
+    kv_bins: list[list[float]] = field(default_factory=list)
+    """Per node: per `util_bin_ms` of simulated time, the integral (ms) of KV used / KV capacity in the bin."""
+    util_bin_ms: float = 10_000.0
+    preempted: int = 0
+    """Requests preempted at least once."""
+    shed: int = 0
+    """Requests the gateway's admission shed (429)."""
+    host_hit_tokens: int = 0
+    """Of `cached_tokens`, those loaded back from host memory."""
 
 
 class Simulator:
@@ -127,25 +144,32 @@ class Simulator:
             raise ValueError("no rack serves any model")
         self.default_model = default_model or served[0]
         self._serving = {m: config.racks_serving(m) for m in config.models}
-        self.router = RackAffinityRouter(
-            {m: config.racks_serving(m) for m in served}, pol.router.virtual_nodes, pol.router.load_bound,
-            pol.router.load_slack,
-        )
+        self.router = RackAffinityRouter.from_config({m: config.racks_serving(m) for m in served}, pol.router)
         self.nodes: list[SimNode] = []
         self.node_index: dict[str, int] = {}
         self.node_models: dict[str, frozenset[str]] = {}
         self.racks: dict[str, _Rack] = {}
+        self.blocks = BlockIndex()
+        """Which node holds which prefix blocks, from the engines' block events (what the live batchers and router
+        read off the KV event stream)."""
+        self.preempted: set[int] = set()
+        bt = pol.profiling.prefix_block_tokens
         for rack in config.cluster.racks:
             idx = []
             specs = rack.expanded()
+            costs: dict[str, StepCost] = {}
             for spec in specs:
                 self.node_index[spec.name] = len(self.nodes)
                 idx.append(len(self.nodes))
-                self.nodes.append(self._make_node(spec, rack.name, cost_for(spec)))
+                costs[spec.name] = cost_for(spec)
+                self.nodes.append(self._make_node(spec, rack.name, costs[spec.name]))
                 self.node_models[spec.name] = frozenset(spec.models)
-            policies = NodePolicySet(pol.node_selection, pol.seed, rack.name, {n.name: n.gpu for n in specs},
-                                     pol.profiling.prefix_block_tokens)
-            caps = {n.name: config.node_mem_budget_kb(n.name) for n in specs}
+            node_blocks = max(1, min(self.nodes[i].capacity_tokens for i in idx) // bt)
+            ctx = PolicyContext(node_gpus={n.name: n.gpu for n in specs}, block_tokens=bt, cost_of=costs.__getitem__,
+                                blocks=self.blocks, node_blocks=node_blocks,
+                                max_batched_tokens=params.max_batched_tokens)
+            policies = NodePolicySet(pol.node_selection, pol.seed, rack.name, ctx.node_gpus, bt, context=ctx)
+            caps = {n.name: config.node_kv_capacity_kb(n.name) for n in specs}
             models = {n.name: frozenset(n.models) for n in specs}
             batcher: WindowBatcher | FixedBatcher
             if params.batching == "fixed":
@@ -154,6 +178,20 @@ class Simulator:
                 batcher = WindowBatcher(pol.batcher, policies, caps, models)
             self.racks[rack.name] = _Rack(rack.name, idx, batcher, policies)
         self.rack_views = {r: RackView(r, True, 0.0) for r in self.racks}
+        self.node_rack = {spec.name: r.name for r in config.cluster.racks for spec in r.expanded()}
+        self._views_at = -math.inf
+        self._refresh_ms = float(pol.node_selection.refresh_ms)
+        self.admission = Admission(config.gateway) if params.admission else None
+        self._horizon = pol.batcher.max_queued_prefill_tokens or math.inf
+        # the gateway's own prediction of the rack (the router's policy without the prefix index, over request
+        # counts), and the completions of the last few seconds it measures its rate on
+        self.gateway_router = RackAffinityRouter.from_config({m: config.racks_serving(m) for m in served}, pol.router)
+        self.gateway_router.prefix_aware = False
+        self._done_at: deque[float] = deque()
+        self._first_done = 0.0
+        self._queued_since: dict[str, float] = {}
+        """Per rack, since when it has had a queue (as the gateway sees it at its arrivals)."""
+        self.shed = 0
         self.scorer = HealthScorer(pol.health)
         for name in self.node_index:  # the agents' first (clean) samples: later counters are compared to them
             self.scorer.observe(HealthSample(name, 0.0))
@@ -181,17 +219,30 @@ class Simulator:
         model = self.config.models[spec.models[0]]
         total_gb = gpu.memory_gb * spec.tp
         weights_gb = model.weight_bytes / 1e9
-        usable = total_gb * self.params.gpu_memory_utilization - weights_gb
-        if usable <= 0:
+        kv_kb = self.config.node_kv_capacity_kb(spec.name)
+        if kv_kb <= 0:
             raise ValueError(f"node {spec.name}: {spec.models[0]} does not fit {spec.gpu} x{spec.tp}")
-        kv_tokens = int(usable * 1e9 // model.kv_bytes_per_token)
+        kv_tokens = int(kv_kb * 1000 // model.kv_bytes_per_token)
+        bt = self.config.policies.profiling.prefix_block_tokens
+        host_gb = self.config.policies.kv.host_prefix_gb_per_gpu * spec.tp if self.params.host_prefix_cache else 0.0
+        name = spec.name
+        blocks = self.blocks
+
+        def events(stored: tuple[int, ...], removed: tuple[int, ...]) -> None:
+            if removed:
+                blocks.removed(name, removed)
+            if stored:
+                blocks.stored(name, stored)
+
         return SimNode(
             spec.name, rack, cost, kv_capacity_tokens=kv_tokens, block_size=self.params.block_size,
             max_num_seqs=self.params.max_num_seqs, max_batched_tokens=self.params.max_batched_tokens,
-            mem_cap_kb=self.config.node_mem_budget_kb(spec.name), vram_total_gb=total_gb, weights_gb=weights_gb,
-            kv_bytes_per_token=model.kv_bytes_per_token,
-            prefix_block_tokens=self.config.policies.profiling.prefix_block_tokens,
+            mem_cap_kb=kv_kb, vram_total_gb=total_gb, weights_gb=weights_gb,
+            kv_bytes_per_token=model.kv_bytes_per_token, prefix_block_tokens=bt,
             prefix_cache=self.params.prefix_cache,
+            host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
+            host_link_gbps=gpu.pcie_gbps / 2 * spec.tp, block_listener=events,
+            util_bin_ms=self.params.util_bin_ms, preempted=self.preempted,
         )
 
     # -- event plumbing --------------------------------------------------------------------------------------------
@@ -213,12 +264,35 @@ class Simulator:
         return NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
             max(0.0, n.mem_cap_kb - n.mem_est_used), n.running, len(n.waiting),
+            prefill_tokens=n.prefill_backlog, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
+            kv_usage=n.kv_usage, slowdown=n.slowdown, max_seqs=n.max_num_seqs,
         )
 
     def _rack_load(self, rack: _Rack, delta: int) -> None:
         rack.outstanding += delta
         healthy = any(self.nodes[i].accepting for i in rack.nodes)
-        self.rack_views[rack.name] = RackView(rack.name, healthy, float(rack.outstanding))
+        v = self.rack_views[rack.name]
+        self.rack_views[rack.name] = RackView(rack.name, healthy, float(rack.outstanding), v.work, v.nodes)
+
+    def _refresh_rack_work(self, now: float) -> None:
+        """The racks' work as the live router sees it: re-read every `refresh_ms` (in between, the router adds what
+        it routes itself)."""
+        if now - self._views_at < self._refresh_ms:
+            return
+        self._views_at = now
+        dw = self.config.policies.router.decode_weight_tokens
+        for rack in self.racks.values():
+            work = 0.0
+            active = 0
+            for i in rack.nodes:
+                n = self.nodes[i]
+                if n.accepting:
+                    active += 1
+                    work += n.prefill_backlog + dw * n.outstanding
+            for p in rack.batcher.pending:
+                work += p.request.in_tokens + dw
+            v = self.rack_views[rack.name]
+            self.rack_views[rack.name] = RackView(rack.name, v.healthy, v.load, work, active)
 
     # -- requests --------------------------------------------------------------------------------------------------
     def _arrive(self, rid: int, now: float) -> None:
@@ -228,12 +302,26 @@ class Simulator:
         if model is None or not self._serving.get(model_name):
             self._drop(rid, "model not served")
             return
-        mem = estimate_mem_kb(model, tr.in_tokens, tr.out_tokens, self.config.policies.profiling.estimator)
+        prof = self.config.policies.profiling
+        mem = estimate_mem_kb(model, tr.in_tokens, tr.out_tokens, prof.estimator, prof.shape_margin)
         self.mem_est[rid] = mem
-        d = self.router.route(tr.user_id or f"anon-{rid}", model_name, self.rack_views)
+        self._refresh_rack_work(now)
+        if self.admission is not None and not self._admit(tr.user_id or f"anon-{rid}", model_name, now):
+            self.shed += 1
+            self._drop(rid, "shed (429)")
+            return
+        cached = None
+        if self.router.prefix_aware and tr.prefix_hashes and self.params.prefix_cache:
+            cached = rack_cached_tokens(self.blocks.matches(tr.prefix_hashes), self.node_rack,
+                                        prof.prefix_block_tokens, tr.in_tokens)
+        d = self.router.route(tr.user_id or f"anon-{rid}", model_name, self.rack_views, cached)
         if d.rack is None:
             self._drop(rid, "no healthy rack")
             return
+        v = self.rack_views[d.rack]
+        self.rack_views[d.rack] = RackView(
+            v.name, v.healthy, v.load, v.work + tr.in_tokens + self.config.policies.router.decode_weight_tokens,
+            v.nodes)
         rule = self.config.policies.router.prefix_cache_rule
         keep = keeps_prefix_cache(rule.enabled, rule.min_tokens, tr.in_tokens, d, True)
         req = RequestEvent(
@@ -244,6 +332,37 @@ class Simulator:
         self._rack_load(rack, +1)
         rack.batcher.offer(PendingRequest(req, str(rid), now))
         self._try_close(rack, now)
+
+    def _admit(self, user: str, model: str, now: float) -> bool:
+        """The gateway's admission (pipeline.admission): the rack it predicts for the request, that rack's queue
+        (batcher backlog + requests waiting in its engines) and the cluster's completion rate of the last 3 s, one
+        share of it per rack."""
+        assert self.admission is not None
+        queued: dict[str, int] = {}
+        views: dict[str, RackView] = {}
+        for name, rack in self.racks.items():
+            waiting = sum(len(self.nodes[i].waiting) for i in rack.nodes)
+            running = sum(self.nodes[i].running for i in rack.nodes)
+            queued[name] = rack.batcher.pending_count + waiting
+            views[name] = RackView(name, self.rack_views[name].healthy, float(queued[name] + running))
+        target = self.gateway_router.route(user, model, views).rack
+        if target is None:
+            return True  # the router answers it (no healthy rack)
+        done = self._done_at
+        while done and done[0] < now - RATE_WINDOW_S * 1000.0:
+            done.popleft()
+        rate = None
+        span = min(RATE_WINDOW_S * 1000.0, now - self._first_done) if done else 0.0
+        if len(done) >= 2 and span > 0:
+            rate = len(done) * 1000.0 / span / max(1, len(self.racks))
+        since = self._queued_since
+        for name, q in queued.items():
+            if q <= 0:
+                since.pop(name, None)
+            else:
+                since.setdefault(name, now)
+        queued_for = (now - since[target]) / 1000.0 if target in since else 0.0
+        return self.admission.decide(queued[target], rate, queued_for).admit
 
     def _drop(self, rid: int, reason: str) -> None:
         if not self.dropped[rid]:
@@ -318,9 +437,12 @@ class Simulator:
         for f in res.finished:
             self.finish[f.rid] = f.finish_ms
             self.completed += 1
+            if not self._done_at and self.completed == 1:
+                self._first_done = f.finish_ms
+            self._done_at.append(f.finish_ms)
             self._rack_load(rack, -1)
         self._schedule_node(i, now)
-        if res.freed and rack.batcher.pending_count:
+        if rack.batcher.pending_count and (res.freed or node.prefill_backlog < self._horizon):
             self._try_close(rack, now)
 
     def _check(self, node: SimNode) -> None:
@@ -455,7 +577,9 @@ class Simulator:
             preemptions=sum(x.preemptions for x in self.nodes), prompt_tokens=sum(x.prompt_tokens for x in self.nodes),
             cached_tokens=sum(x.cached_tokens for x in self.nodes), migrations=self.migrations,
             batch_mem_util=self.batch_mem_util, batch_sizes=self.batch_sizes, end_ms=now, events=self.events,
-            drop_reasons=self.drop_reasons,
+            drop_reasons=self.drop_reasons, kv_bins=[x.kv_bins for x in self.nodes],
+            util_bin_ms=self.params.util_bin_ms, preempted=len(self.preempted), shed=self.shed,
+            host_hit_tokens=sum(x.host_hit_tokens for x in self.nodes),
         )
 
 

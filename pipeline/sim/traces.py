@@ -11,7 +11,7 @@ import csv
 import json
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 
@@ -85,12 +85,85 @@ def parse_mooncake(lines: Iterable[str], limit: int | None = None) -> Iterator[T
             t = float(rec["timestamp"])
             tin, tout = int(rec["input_length"]), int(rec["output_length"])
             hashes = tuple(int(h) & ((1 << 63) - 1) for h in rec.get("hash_ids", ()))
+            user = str(rec.get("user_id", ""))
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"line {i + 1}: {type(e).__name__}: {e}") from None
         if t0 is None:
             t0 = t
         n += 1
-        yield TraceRequest(t - t0, max(1, tin), max(1, tout), prefix_hashes=hashes)
+        yield TraceRequest(t - t0, max(1, tin), max(1, tout), user_id=user, prefix_hashes=hashes)
+
+
+def to_jsonl(r: TraceRequest) -> str:
+    """One request in the Mooncake JSONL format (plus `user_id` when it has one)."""
+    rec: dict[str, object] = {"timestamp": round(r.arrival_ms, 3), "input_length": r.in_tokens,
+                              "output_length": r.out_tokens, "hash_ids": list(r.prefix_hashes)}
+    if r.user_id:
+        rec["user_id"] = r.user_id
+    return json.dumps(rec, separators=(", ", ": "))
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurnSpec:
+    """Conversations in which a user comes back with a growing prompt: an app's system prompt, then every earlier
+    user message and answer of the conversation, then the new message (what a chat front end sends each turn)."""
+
+    conversations: int = 800
+    rate_conversations_per_s: float = 1.0
+    """New conversations per second (Poisson)."""
+    turns_mean: float = 5.0
+    """Turns per conversation (geometric, at least 1)."""
+    think_s_mean: float = 20.0
+    """Time between an answer and the user's next message (exponential)."""
+    apps: int = 16
+    """Distinct system prompts; apps are drawn Zipf(1.1), so a few prompts are shared by most users."""
+    system_tokens_mean: float = 1500.0
+    message_tokens_mean: float = 300.0
+    answer_tokens_mean: float = 250.0
+    sigma: float = 0.6
+    """Lognormal sigma of system prompt, message and answer lengths."""
+    max_prompt_tokens: int = 30_000
+    """A conversation ends once its next prompt would be longer."""
+    vocab: int = 150_000
+    block_tokens: int = 512
+
+
+def multiturn(spec: MultiTurnSpec, rng: random.Random,
+              hash_ids: Callable[[Sequence[int], int], tuple[int, ...]]) -> list[TraceRequest]:
+    """A multi-turn trace: `hash_ids(token_ids, block_tokens)` gives each prompt's prefix-block hashes (pass
+    `pipeline.tokens.prefix_hashes_from_ids`, the gateway's function for a tokenized prompt)."""
+
+    def tokens(mean: float) -> list[int]:
+        n = max(1, round(_lognormal(rng, mean, spec.sigma)))
+        return [rng.randrange(spec.vocab) for _ in range(n)]
+
+    systems = [tokens(spec.system_tokens_mean) for _ in range(spec.apps)]
+    app_cum: list[float] = []
+    acc = 0.0
+    for w in zipf_weights(spec.apps, 1.1):
+        acc += w
+        app_cum.append(acc)
+    out: list[TraceRequest] = []
+    t = 0.0
+    p_end = 1.0 / max(1.0, spec.turns_mean)
+    for c in range(spec.conversations):
+        t += rng.expovariate(spec.rate_conversations_per_s) * 1000.0
+        app = rng.choices(range(spec.apps), cum_weights=app_cum)[0]
+        history = list(systems[app])
+        at = t
+        while True:
+            history += tokens(spec.message_tokens_mean)
+            if len(history) > spec.max_prompt_tokens:
+                break
+            answer = max(1, round(_lognormal(rng, spec.answer_tokens_mean, spec.sigma)))
+            out.append(TraceRequest(at, len(history), answer, f"conv-{c:05d}",
+                                    hash_ids(history, spec.block_tokens)))
+            if rng.random() < p_end:
+                break
+            history += [rng.randrange(spec.vocab) for _ in range(answer)]
+            at += rng.expovariate(1.0 / (spec.think_s_mean * 1000.0))
+    out.sort(key=lambda r: r.arrival_ms)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,8 @@ def batcher_policy(**overrides: Any) -> BatcherPolicy:
 
 
 def node_selection(**overrides: Any) -> NodeSelectionPolicy:
-    """Node-selection parameters; the default policy is `weighted` and every override is allowed."""
+    """Node-selection parameters (the config's default policy, work_aware, unless `policy` is given); every override
+    is allowed."""
     return NodeSelectionPolicy(**overrides)
 
 
@@ -116,8 +117,12 @@ def window_batcher(
     **policy: Any,
 ) -> WindowBatcher:
     """A WindowBatcher over nodes with the given caps (KB); `policy` are BatcherPolicy fields, `selection` the
-    NodeSelectionPolicy fields of its node-policy set."""
-    return WindowBatcher(BatcherPolicy(**policy), policy_set(seed, **dict(selection or {})), dict(caps), node_models)
+    NodeSelectionPolicy fields of its node-policy set. Unless overridden it is the seed's window: node policy
+    `weighted`, and a window that waits `window_ms` while no node is idle (close_when_room off), the rules the
+    window tests pin down; the config's defaults are tested on their own."""
+    policy.setdefault("close_when_room", False)
+    sel = {"policy": "weighted", **dict(selection or {})}
+    return WindowBatcher(BatcherPolicy(**policy), policy_set(seed, **sel), dict(caps), node_models)
 
 
 @functools.cache

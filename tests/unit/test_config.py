@@ -82,10 +82,12 @@ def test_unknown_name_in_allowed_overrides_is_rejected_with_its_index() -> None:
     assert "policies.node_selection.allowed_overrides.1" in msg and "'fastest'" in msg
 
 
-def test_repository_policies_name_rack_affinity_and_weighted_by_default() -> None:
+def test_repository_policies_name_rack_affinity_and_work_aware_by_default() -> None:
     pol = config().policies
     assert pol.router.policy == "rack_affinity"
-    assert pol.node_selection.policy == "weighted"
+    assert pol.router.prefix_aware
+    assert pol.node_selection.policy == "work_aware"
+    assert pol.profiling.estimator == "shape"
     assert pol.node_selection.allow_request_override
     assert pol.profiling.token_rates.cjk == 1.4
 

@@ -19,23 +19,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import NodePolicyName
+from pipeline.config import ALL_NODE_POLICIES, NodePolicyName
 from pipeline.events import RequestEvent
 from pipeline.routing.node_policies.base import NodeChoice, NodePolicy, outstanding
-from pipeline.routing.registry import NODE_POLICIES, make_node_policy
+from pipeline.routing.registry import NODE_POLICIES, PolicyContext, make_node_policy
 from pipeline.routing.views import NodeView
 from tests.unit.builders import BLOCK_TOKENS, node_selection, node_view, policy_set, request
 
-ALL: tuple[NodePolicyName, ...] = (
-    "round_robin", "random", "least_outstanding", "power_of_two", "static_weight", "weighted", "kv_aware"
-)
+ALL: tuple[NodePolicyName, ...] = ALL_NODE_POLICIES
 RANDOMISED = ("random", "power_of_two", "static_weight", "weighted")
-DETERMINISTIC = ("round_robin", "least_outstanding", "kv_aware")
+DETERMINISTIC = ("round_robin", "least_outstanding", "kv_aware", "work_aware", "sglang", "lmetric")
+TIES_AT_RANDOM = ("llm_d", "dynamo")
+"""Deterministic but for ties, which they break with a draw (llm-d's max-score picker, Dynamo's selector)."""
 NODE_GPUS = {"n0": "h100-80gb", "n1": "h200-141gb", "n2": "h200-141gb", "n3": "a100-80gb"}
 
 
 def make(name: str, seed: int = 0, **params: Any) -> NodePolicy:
-    return make_node_policy(name, node_selection(**params), random.Random(seed), NODE_GPUS, BLOCK_TOKENS)
+    return make_node_policy(name, node_selection(**params), random.Random(seed),
+                            PolicyContext(node_gpus=NODE_GPUS, block_tokens=BLOCK_TOKENS))
 
 
 def choose(pol: NodePolicy, nodes: Sequence[NodeView], req: RequestEvent | None = None) -> NodeChoice:
@@ -85,15 +86,17 @@ def prefixed_requests(n: int, seed: int) -> list[RequestEvent]:
 # -- every policy ------------------------------------------------------------------------------------------------
 
 
-def test_the_registry_holds_exactly_the_seven_configurable_policies() -> None:
+def test_the_registry_holds_exactly_the_configurable_policies() -> None:
     assert sorted(NODE_POLICIES) == sorted(ALL)
     assert {name: make(name).name for name in ALL} == {name: name for name in ALL}
-    assert [n for n in ALL if make(n).per_request] == ["kv_aware"]
+    assert [n for n in ALL if make(n).per_request] == ["kv_aware", "work_aware", "llm_d", "dynamo", "sglang",
+                                                       "lmetric"]
 
 
 def test_unknown_policy_name_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown node policy 'fastest'; valid: kv_aware, least_outstanding, "
-                                         r"power_of_two, random, round_robin, static_weight, weighted"):
+    with pytest.raises(ValueError, match=r"unknown node policy 'fastest'; valid: dynamo, kv_aware, "
+                                         r"least_outstanding, llm_d, lmetric, power_of_two, random, round_robin, "
+                                         r"sglang, static_weight, weighted, work_aware"):
         make("fastest")
     with pytest.raises(ValueError, match="unknown node policy 'weighted-random'"):
         policy_set().get("weighted-random")
@@ -118,6 +121,8 @@ def test_choice_is_always_one_of_the_given_nodes(name: str, specs: list[Any], se
         assert set(ch.scores) <= names
         if name in DETERMINISTIC:
             assert ch.draw == -1.0
+        elif name in TIES_AT_RANDOM:
+            assert ch.draw == -1.0 or 0.0 <= ch.draw < 1.0
         elif len(nodes) > 1 or name != "power_of_two":
             assert 0.0 <= ch.draw < 1.0
 
@@ -195,12 +200,12 @@ def test_resolve_honours_allowed_overrides_and_falls_back_to_the_default(
     ("params", "asked", "expect"),
     [
         ({}, "kv_aware", "kv_aware"),
-        ({}, "", "weighted"),
-        ({}, "Least_Outstanding", "weighted"),  # unknown spelling: the default, no error
-        ({}, "weighted-random", "weighted"),
-        ({"allowed_overrides": ("random",)}, "kv_aware", "weighted"),
+        ({}, "", "work_aware"),
+        ({}, "Least_Outstanding", "work_aware"),  # unknown spelling: the default, no error
+        ({}, "weighted-random", "work_aware"),
+        ({"allowed_overrides": ("random",)}, "kv_aware", "work_aware"),
         ({"allowed_overrides": ("random",)}, "random", "random"),
-        ({"allow_request_override": False}, "random", "weighted"),
+        ({"allow_request_override": False}, "random", "work_aware"),
         ({"policy": "round_robin", "allowed_overrides": ()}, "kv_aware", "round_robin"),
     ],
 )

@@ -135,7 +135,8 @@ def test_profile_request_builds_a_version_1_event_from_prompt_and_history() -> N
     ev = profile_request(inp, QWEN, POLICY)
     assert ev == RequestEvent(
         request_id="r-1", version=1, tenant="t", user_id="u", model="qwen2-7b", in_tokens=50, out_tokens=100,
-        max_tokens=100, mem_est_kb=50 * 200 + 100 * 1500, arrival_ms=12.5, prompt="word " * 40, priority=2,
+        max_tokens=100, mem_est_kb=(50 + 100) * QWEN.kv_bytes_per_token / 1000, arrival_ms=12.5,
+        prompt="word " * 40, priority=2,
         prefix_cache=False, rack=None, routed_ms=0.0, route_policy="kv_aware",
         prefix_hashes=(),  # 200 characters: less than one 512-token block
     )
@@ -159,7 +160,7 @@ def test_exact_token_ids_give_the_count_and_the_prefix_blocks(ids: list[int], pr
     assert ev.in_tokens == len(ids)
     assert ev.prefix_hashes == prefix_hashes_from_ids(ids, block)
     assert len(ev.prefix_hashes) == len(ids) // block
-    assert ev.mem_est_kb == estimate_mem_kb(QWEN, len(ids), ev.out_tokens, "seed")
+    assert ev.mem_est_kb == estimate_mem_kb(QWEN, len(ids), ev.out_tokens, policy.estimator, policy.shape_margin)
 
 
 @settings(max_examples=50, deadline=None)
@@ -267,7 +268,7 @@ def test_prefix_cache_rule_examples(enabled: bool, in_tokens: int, rack: str, as
 def test_prefix_cache_rule_after_a_real_route_that_walks_past_an_overloaded_primary() -> None:
     racks = ["r0", "r1", "r2"]
     router = RackAffinityRouter({"qwen2-7b": racks}, 160, 1.25)
-    rule = config().policies.router.prefix_cache_rule
+    rule = config().policies.router.prefix_cache_rule.model_copy(update={"enabled": True})  # the seed's rule
     calm = {r: rack_view(r, load=5.0) for r in racks}
     home = router.route("user-1", "qwen2-7b", calm)
     assert home.reason == "affinity"

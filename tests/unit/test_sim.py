@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 AZURE = REPO / "data" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
 
 
-def cfg(racks: int = 2, nodes: int = 4, policy: str = "weighted", estimator: str = "seed",
+def cfg(racks: int = 2, nodes: int = 4, policy: str = "weighted", estimator: str = "seed", margin: float = 1.0,
         **batcher: int) -> RackflowConfig:
     raw = raw_config(DEFAULT_CONFIG_DIR)
     raw["cluster"] = {"racks": [{"name": f"r{i}", "node_count": nodes,
@@ -38,6 +38,7 @@ def cfg(racks: int = 2, nodes: int = 4, policy: str = "weighted", estimator: str
     raw["policies"]["node_selection"]["policy"] = policy
     raw["policies"]["batcher"].update(batcher)
     raw["policies"]["profiling"]["estimator"] = estimator
+    raw["policies"]["profiling"]["shape_margin"] = margin
     return parse_config(raw)
 
 
@@ -85,15 +86,27 @@ def test_every_request_completes_or_is_dropped_and_times_are_ordered() -> None:
 
 
 def test_overload_preempts_but_never_exceeds_kv_capacity() -> None:
-    # one node, long outputs at a high rate, and the tight shape-based memory estimate (the batcher's 72 GB budget
-    # is more than the 57 GB of KV the GPU has left after the weights): KV runs out and sequences are preempted
-    config = cfg(racks=1, nodes=1, estimator="shape")
+    # one node, long outputs at a high rate, and a shape estimate at half the KV a sequence ends with: the batcher
+    # overcommits the node's KV twice over, KV runs out and sequences are preempted
+    config = cfg(racks=1, nodes=1, estimator="shape", margin=0.5)
     rng = random.Random(3)
     reqs = [TraceRequest(i * 5.0, rng.randint(2000, 6000), rng.randint(800, 1500), f"u{i % 7}") for i in range(600)]
     res = run(config, reqs)  # check_invariants raises inside if KV > capacity at any event
     s = summarize(res)
     assert s["completed"] == 600
     assert s["preemptions"] > 0, "the scenario must actually exhaust KV memory"
+
+
+def test_exact_shape_estimate_packs_kv_without_preempting() -> None:
+    # the same overload with the default estimate (the KV a sequence ends with) against the engine's real KV: the
+    # batcher never sends more than fits, so nothing is preempted, and KV is full while requests queue
+    config = cfg(racks=1, nodes=1, estimator="shape")
+    rng = random.Random(3)
+    reqs = [TraceRequest(i * 5.0, rng.randint(2000, 6000), rng.randint(800, 1500), f"u{i % 7}") for i in range(600)]
+    s = summarize(run(config, reqs, params=SimParams(check_invariants=True, admission=False)))
+    assert s["completed"] == 600
+    assert s["preemptions"] == 0
+    assert s["kv_util_peak"] > 0.85
 
 
 def test_fixed_batches_of_32_and_windows_both_conserve() -> None:

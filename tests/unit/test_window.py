@@ -25,7 +25,7 @@ ALL_POLICIES: tuple[NodePolicyName, ...] = (
 
 
 def make_batcher(caps: Mapping[str, float], seed: int = 0, **policy: Any) -> WindowBatcher:
-    """A batcher with the default node policy (`weighted`, the seed's W-weighted random)."""
+    """A batcher with the seed's node policy (`weighted`, W-weighted random) and window."""
     return window_batcher(caps, seed, **policy)
 
 

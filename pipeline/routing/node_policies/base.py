@@ -27,6 +27,15 @@ class NodeChoice:
     """What the policy saw per candidate (probabilities, costs or loads)."""
 
 
+class StepTime(Protocol):
+    """A node's iteration time (its calibrated cost model), for policies that price work in milliseconds."""
+
+    def step_ms(
+        self, prefill_tokens: Sequence[int], decode_seqs: int, decode_kv_tokens: int,
+        prefill_cached: Sequence[int] | None = None,
+    ) -> float: ...
+
+
 class NodePolicy(Protocol):
     name: ClassVar[str]
     per_request: ClassVar[bool]
