@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 RF     := $(VENV)/bin/rackflow
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-all test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
+.PHONY: run test test-all test-parity test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
 
 FLOORS := deploy/security/advisory-floors.txt
 
@@ -28,10 +28,14 @@ run: $(STAMP)
 # the suite without the `long` tests (a minute of sustained overload, a 10 s Valkey outage): those run in
 # test-hardening and test-all
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not long" tests
+	$(PY) -m pytest -q -m "not long and not parity" tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the live pipeline against the simulator: two traces x three node policies, each on a cold cluster (~10 min)
+test-parity: $(STAMP)
+	$(PY) -m pytest -q -m parity tests/parity
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -406,7 +406,10 @@ class WorkerPolicy(_Strict):
     status_interval_ms: int = Field(default=200, ge=10, le=60_000)
     """How often the worker publishes its live status (HealthEvent + status hash)."""
     max_running: int = Field(default=256, ge=1, le=100_000)
-    """Most sequences an engine runs at once."""
+    """Most sequences an engine runs at once (vLLM's max_num_seqs)."""
+    max_batched_tokens: int = Field(default=8192, ge=16, le=10_000_000)
+    """Tokens one engine iteration takes, decode tokens and prefill chunks together (vLLM's
+    max_num_batched_tokens; the `sim` engine and the simulator schedule with it)."""
     torch: TorchEngineConfig = TorchEngineConfig()
     """The `torch` engine."""
     vllm: VllmEngineConfig = VllmEngineConfig()

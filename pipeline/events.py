@@ -157,6 +157,22 @@ class HealthEvent:
     """NVML clocks-throttle-reason bit mask (0: not throttled)."""
     gpus: int = 0
     """GPUs the sample covers (a node is one engine instance, possibly tensor-parallel over several)."""
+    prefill_tokens: int = 0
+    """Prompt tokens queued in the engine and not prefilled yet (the prefill work ahead of a new request)."""
+    decode_seqs: int = 0
+    """Sequences decoding."""
+    decode_tokens: int = 0
+    """KV tokens of the decoding sequences."""
+    kv_usage: float = 0.0
+    """The engine's own KV-cache use, 0..1 (vLLM's kv_cache_usage_perc)."""
+    slowdown: float = 1.0
+    """Observed iteration time over the cost model's for the same iterations (EWMA)."""
+    max_seqs: int = 0
+    """Sequences the engine runs at once (0: unknown)."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens the engine's prefix cache saved since it started."""
+    prompt_tokens: int = 0
+    """Prompt tokens the engine admitted since it started."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +201,20 @@ class DecisionEvent:
     inputs: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """Replay inputs of a `window` record: node views the window saw, requests offered since the last close with
     their enqueue times, and the random draws the close used (see `pipeline.replay`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """What a node's prefix cache gained and lost (vLLM's KV events BlockStored / BlockRemoved): chained hashes of
+    prefix blocks. `cleared`: the node lost everything before these changes (its engine started or restarted)."""
+
+    TYPE: ClassVar[str] = "blocks"
+    node: str
+    rack: str
+    ts_ms: float
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    cleared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,10 +260,10 @@ class CancelEvent:
 
 
 Event = (RequestEvent | BatchEvent | TokenEvent | ResultEvent | HealthEvent | DecisionEvent | ResumeEvent
-         | ReleaseEvent | CancelEvent)
+         | ReleaseEvent | CancelEvent | BlockEvent)
 EVENT_TYPES: dict[str, type[Any]] = {
     cls.TYPE: cls for cls in (RequestEvent, BatchEvent, TokenEvent, ResultEvent, HealthEvent, DecisionEvent,
-                              ResumeEvent, ReleaseEvent, CancelEvent)
+                              ResumeEvent, ReleaseEvent, CancelEvent, BlockEvent)
 }
 E = TypeVar("E")
 

@@ -29,17 +29,24 @@ from dataclasses import dataclass, field
 
 from pipeline.batching.fixed import FixedBatcher
 from pipeline.batching.window import PendingRequest, WindowBatcher, WindowOutcome
-from pipeline.config import RackflowConfig
-from pipeline.events import DecisionEvent, RequestEvent
+from pipeline.config import NodeSpec, RackflowConfig
+from pipeline.events import BlockEvent, DecisionEvent, RequestEvent
+from pipeline.routing.node_policies.base import StepTime
+from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.rack_affinity import RackAffinityRouter
-from pipeline.routing.registry import NODE_POLICIES, NodePolicySet, lookup
+from pipeline.routing.registry import NODE_POLICIES, NodePolicySet, PolicyContext, lookup
 from pipeline.routing.views import NodeView, RackView
 
 VIEW_FIELDS = (
     "active", "vram_total_gb", "free_vram_gb", "pcie_util_pct", "avg_latency_ms", "kv_capacity_kb", "kv_free_kb",
-    "running", "waiting",
+    "running", "waiting", "prefill_tokens", "decode_seqs", "decode_tokens", "kv_usage", "slowdown", "max_seqs",
 )
+"""The NodeView fields a window record carries, in order (a record written before a field existed is shorter: the
+missing fields take their defaults)."""
 NODE_PREFIX = "node:"
+BLOCKS_PREFIX = "blk:"
+"""`blk:{k:08d}:{node}`: the k-th block event the batcher's prefix index applied before this close: (cleared,
+stored count, stored hashes, removed hashes), each hash as two floats (high 31 bits, low 32 bits: exact)."""
 ENQ_PREFIX = "enq:"
 DRAWS_PREFIX = "draws:"
 IDLE_KEY = "idle_closes"
@@ -100,19 +107,39 @@ class ScriptedRandom(random.Random):
 # ---- building the same objects the live services use ---------------------------------------------------------
 
 
+def policy_context(config: RackflowConfig, rack: str, blocks: BlockIndex | None,
+                   cost_of: Callable[[NodeSpec], StepTime] | None = None) -> PolicyContext:
+    """What the node policies of one rack see beyond the node views: each node's cost model (`cost_of`, default
+    the calibrated model with the committed calibration), the rack's precise prefix index, the engines' KV block
+    count and token budget."""
+    from pipeline.costmodel import CalibratedCostModel
+
+    nodes = config.cluster.racks[config.rack_names().index(rack)].expanded()
+    make = cost_of or (lambda n: CalibratedCostModel.for_node(config, n))
+    costs = {n.name: make(n) for n in nodes}
+    bt = config.policies.profiling.prefix_block_tokens
+    kv_tokens = min(config.node_kv_capacity_kb(n.name) * 1000 // config.models[n.models[0]].kv_bytes_per_token
+                    for n in nodes)
+    return PolicyContext(
+        node_gpus={n.name: n.gpu for n in nodes}, block_tokens=bt, cost_of=costs.__getitem__, blocks=blocks,
+        node_blocks=max(1, int(kv_tokens // bt)), max_batched_tokens=config.policies.worker.max_batched_tokens,
+    )
+
+
 def rack_batcher(
-    config: RackflowConfig, rack: str, rng_factory: RngFactory | None = None
+    config: RackflowConfig, rack: str, rng_factory: RngFactory | None = None, blocks: BlockIndex | None = None
 ) -> tuple[WindowBatcher | FixedBatcher, NodePolicySet]:
-    """The batcher of one rack as `rackflow batcher` builds it (window or fixed mode, caps, models, policies)."""
+    """The batcher of one rack as `rackflow batcher` builds it (window or fixed mode, caps, models, policies);
+    `blocks`: the rack's precise prefix index (fed with its nodes' block events)."""
     if rack not in config.rack_names():
         raise ValueError(f"unknown rack {rack!r}; racks: {', '.join(config.rack_names())}")
     pol = config.policies
     nodes = config.cluster.racks[config.rack_names().index(rack)].expanded()
-    caps = {n.name: config.node_mem_budget_kb(n.name) for n in nodes}
+    caps = {n.name: config.node_kv_capacity_kb(n.name) for n in nodes}
     # Each policy of this rack gets its own random source seeded by (seed, rack, policy).
     policies = NodePolicySet(
         pol.node_selection, pol.seed, rack, {n.name: n.gpu for n in nodes}, pol.profiling.prefix_block_tokens,
-        rng_factory,
+        rng_factory, context=policy_context(config, rack, blocks),
     )
     models = {n.name: frozenset(n.models) for n in nodes}
     window: WindowBatcher | FixedBatcher
@@ -125,9 +152,8 @@ def rack_batcher(
 
 def rack_router(config: RackflowConfig) -> RackAffinityRouter:
     """The router policy as `rackflow router` builds it."""
-    r = config.policies.router
     racks_by_model = {m: config.racks_serving(m) for m in config.models}
-    return RackAffinityRouter(racks_by_model, r.virtual_nodes, r.load_bound, r.load_slack)
+    return RackAffinityRouter.from_config(racks_by_model, config.policies.router)
 
 
 def with_node_policy(config: RackflowConfig, policy: str | None) -> RackflowConfig:
@@ -148,12 +174,14 @@ def view_inputs(v: NodeView) -> tuple[float, ...]:
 
 
 def view_from_inputs(name: str, t: Sequence[float]) -> NodeView:
-    vals = dict(zip(VIEW_FIELDS, t, strict=True))
+    vals = dict(zip(VIEW_FIELDS, t, strict=False))
     return NodeView(
         name=name, active=bool(vals["active"]), vram_total_gb=vals["vram_total_gb"], free_vram_gb=vals["free_vram_gb"],
         pcie_util_pct=vals["pcie_util_pct"], avg_latency_ms=vals["avg_latency_ms"],
         kv_capacity_kb=vals["kv_capacity_kb"], kv_free_kb=vals["kv_free_kb"], running=int(vals["running"]),
-        waiting=int(vals["waiting"]),
+        waiting=int(vals["waiting"]), prefill_tokens=int(vals.get("prefill_tokens", 0)),
+        decode_seqs=int(vals.get("decode_seqs", 0)), decode_tokens=int(vals.get("decode_tokens", 0)),
+        kv_usage=vals.get("kv_usage", 0.0), slowdown=vals.get("slowdown", 1.0), max_seqs=int(vals.get("max_seqs", 0)),
     )
 
 
@@ -170,6 +198,7 @@ def window_record(
     pending_after: int,
     idle_closes: int = 0,
     last_idle_ms: float = 0.0,
+    blocks: Sequence[BlockEvent] = (),
 ) -> DecisionEvent:
     """The `window` DecisionEvent of one close. `offered`: (request id, version, enqueued_ms) in offer order;
     `idle_closes`: closes since the previous record that placed, rejected and received nothing (the last at
@@ -181,10 +210,35 @@ def window_record(
         inputs[ENQ_PREFIX + rid] = (float(enq), float(version))
     for name, ds in draws.items():
         inputs[DRAWS_PREFIX + name] = tuple(ds)
+    for k, ev in enumerate(blocks):
+        inputs[f"{BLOCKS_PREFIX}{k:08d}:{ev.node}"] = block_inputs(ev)
     return DecisionEvent(
         kind="window", policy=policy, choice=reason, request_ids=tuple(r for r, _, _ in offered), ts_ms=now_ms,
         scores={"pending": float(pending_after)}, rack=rack, actor=actor, inputs=inputs,
     )
+
+
+def _split(h: int) -> tuple[float, float]:
+    return float(h >> 32), float(h & 0xFFFFFFFF)
+
+
+def block_inputs(ev: BlockEvent) -> tuple[float, ...]:
+    out: list[float] = [1.0 if ev.cleared else 0.0, float(len(ev.stored))]
+    for h in (*ev.stored, *ev.removed):
+        out.extend(_split(h))
+    return tuple(out)
+
+
+def apply_block_inputs(index: BlockIndex, node: str, t: Sequence[float]) -> None:
+    """Re-apply one recorded block event to a prefix index (the inverse of `block_inputs`)."""
+    hashes = [(int(t[i]) << 32) | int(t[i + 1]) for i in range(2, len(t) - 1, 2)]
+    n = int(t[1])
+    if t[0]:
+        index.clear(node)
+    if hashes[n:]:
+        index.removed(node, hashes[n:])
+    if hashes[:n]:
+        index.stored(node, hashes[:n])
 
 
 def replay_idle_closes(window: WindowBatcher | FixedBatcher, n: int, last_ms: float) -> None:
@@ -220,6 +274,7 @@ class Difference:
 class _Actor:
     window: WindowBatcher | FixedBatcher
     rngs: dict[str, ScriptedRandom]
+    blocks: BlockIndex
 
 
 @dataclass
@@ -269,13 +324,13 @@ class Replayer:
         self.differences: list[Difference] = []
         self._actors: dict[str, _Actor] = {}
         self._requests: dict[tuple[str, int], RequestEvent] = {}
-        self._who: dict[str, tuple[str, str]] = {}
+        self._who: dict[str, tuple[str, str, int]] = {}
         self._dispatches: dict[tuple[str, float], list[DecisionEvent]] = {}
 
     # -- inputs --
     def add_request(self, req: RequestEvent) -> None:
         """A request as the router read it (ingress) or as a batcher read it (rack stream, with its version)."""
-        self._who[req.request_id] = (req.user_id, req.model)
+        self._who[req.request_id] = (req.user_id, req.model, req.in_tokens)
         if req.rack:
             self._requests[(req.request_id, req.version)] = dataclasses.replace(req, prompt="")
 
@@ -303,8 +358,11 @@ class Replayer:
         counted = d.ts_ms >= self.count_from_ms
         racks = {k[5:] for k in d.scores if k.startswith("load:")}
         views = {
-            r: RackView(r, bool(d.scores.get(f"healthy:{r}", 0.0)), float(d.scores[f"load:{r}"])) for r in racks
+            r: RackView(r, bool(d.scores.get(f"healthy:{r}", 0.0)), float(d.scores[f"load:{r}"]),
+                        float(d.scores.get(f"work:{r}", 0.0)), int(d.scores.get(f"nodes:{r}", 0.0)))
+            for r in racks
         }
+        dw = self.config.policies.router.decode_weight_tokens
         choices = d.choices or (d.choice,)
         for rid, recorded in zip(d.request_ids, choices, strict=False):
             who = self._who.get(rid)
@@ -313,14 +371,17 @@ class Replayer:
                     self.stats.missing_requests += 1
                     self.stats.route_decisions += 1
                 continue
-            user, model = who
+            user, model, in_tokens = who
+            prefix = f"cached:{rid}:"
+            cached = {k[len(prefix):]: v for k, v in d.scores.items() if k.startswith(prefix)} or None
             try:
-                rack = self.router.route(user, model, views).rack
+                rack = self.router.route(user, model, views, cached).rack
                 got = rack or "(none)"
             except KeyError:
                 rack, got = None, "(model not served)"
             if rack is not None and rack in views:
-                views[rack] = dataclasses.replace(views[rack], load=views[rack].load + 1.0)
+                v = views[rack]
+                views[rack] = dataclasses.replace(v, load=v.load + 1.0, work=v.work + in_tokens + dw)
             if not counted:
                 self.stats.warmup_decisions += 1
                 continue
@@ -340,8 +401,9 @@ class Replayer:
                 rngs[policy] = ScriptedRandom(seed)
                 return rngs[policy]
 
-            window, _ = rack_batcher(self.config, rack, factory)
-            a = self._actors[name] = _Actor(window, rngs)
+            blocks = BlockIndex()
+            window, _ = rack_batcher(self.config, rack, factory, blocks=blocks)
+            a = self._actors[name] = _Actor(window, rngs, blocks)
         return a
 
     def _window(self, d: DecisionEvent) -> None:
@@ -352,11 +414,16 @@ class Replayer:
             replay_idle_closes(a.window, int(idle[0]), idle[1])
         nodes: list[NodeView] = []
         draws: dict[str, tuple[float, ...]] = {}
+        blocks: list[str] = []
         for k, v in d.inputs.items():
             if k.startswith(NODE_PREFIX):
                 nodes.append(view_from_inputs(k[len(NODE_PREFIX):], v))
             elif k.startswith(DRAWS_PREFIX):
                 draws[k[len(DRAWS_PREFIX):]] = v
+            elif k.startswith(BLOCKS_PREFIX):
+                blocks.append(k)
+        for k in sorted(blocks):  # in the order the batcher's index applied them
+            apply_block_inputs(a.blocks, k[len(BLOCKS_PREFIX) + 9:], d.inputs[k])
         for rid in d.request_ids:
             enq, version = d.inputs.get(ENQ_PREFIX + rid, (d.ts_ms, 0.0))
             req = self._requests.pop((rid, int(version)), None)

@@ -25,7 +25,14 @@ def rack_requests(rack: str) -> str:
 
 
 def rack_status(rack: str) -> str:
+    """The rack's batcher backlog as its batchers see it (hash: pending requests, their prompt tokens, ts_ms), for
+    the router's work figure of the rack."""
     return f"rf:rack:{{{rack}}}:status"
+
+
+def rack_blocks(rack: str) -> str:
+    """BlockEvents of the rack's nodes' prefix caches (read by the rack's batchers and by the routers)."""
+    return f"rf:rack:{{{rack}}}:blocks"
 
 
 def node_batches(node: str) -> str:

@@ -17,15 +17,17 @@ import uuid
 from pipeline.batching.ledger import ReservationLedger
 from pipeline.batching.window import CloseReason, PendingRequest
 from pipeline.config import RackflowConfig
-from pipeline.events import BatchEvent, DecisionEvent, RequestEvent
+from pipeline.events import BatchEvent, BlockEvent, DecisionEvent, RequestEvent
 from pipeline.replay import DrawLog, rack_batcher, window_record
 from pipeline.routing.node_policies.weighted import node_weight
+from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.views import NodeView
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers import metrics, tracing
 from workers.cluster_view import ClusterView
 from workers.etcd_store import NodeRegistry
+from workers.prefix_feed import PrefixFeed
 from workers.results import ResultWriter
 from workers.router import error_result
 from workers.runtime import WALL, consumer_name, log_context
@@ -42,9 +44,12 @@ class Batcher:
         pol = config.policies
         # The same construction replay uses; every node policy's draws are logged so each window record carries them.
         self.draws = DrawLog()
-        self.window, self.policies = rack_batcher(config, rack, self.draws.factory)
-        self.ledger = ReservationLedger()
         self.r = connect(redis_url)
+        self.blocks = BlockIndex()
+        self.feed = PrefixFeed(self.r, [rack], self.blocks, keep_log=True)
+        """The rack's precise prefix index, from its nodes' block events (each close records what it applied)."""
+        self.window, self.policies = rack_batcher(config, rack, self.draws.factory, blocks=self.blocks)
+        self.ledger = ReservationLedger()
         self.actor = consumer_name(f"batcher-{rack}")
         self.registry = NodeRegistry(etcd_url)
         self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms)
@@ -65,6 +70,8 @@ class Batcher:
         """Entries of dispatched batches not acknowledged yet (an ack that failed is retried on the next tick)."""
         self._idle_closes = 0
         self._last_idle_ms = 0.0
+        self._blocks_seen: list[BlockEvent] = []
+        """Block events applied to the index since the last window record (replay applies them before it)."""
         """Requests offered since the last close (id, version, enqueue time), for the window's replay record."""
         self.batches = 0
         self.dispatched = 0
@@ -100,6 +107,7 @@ class Batcher:
             if reason in (CloseReason.EMPTY, CloseReason.NOT_YET):
                 return reason
             window_open = self.window.window_open_ms if self.window.window_open_ms is not None else now
+            self._blocks_seen.extend(self.feed.take_log())  # what the index learnt before this close
             self.draws.take()  # nothing draws outside a close; start this close's log empty
             outcome = self.window.close(now, nodes)
             draws = self.draws.take()
@@ -108,8 +116,9 @@ class Batcher:
                 record = window_record(
                     actor=self.actor, rack=self.rack, policy=self.policies.default, reason=reason.value, now_ms=now,
                     nodes=nodes, offered=self._offered, draws=draws, pending_after=outcome.waiting,
-                    idle_closes=self._idle_closes, last_idle_ms=self._last_idle_ms,
+                    idle_closes=self._idle_closes, last_idle_ms=self._last_idle_ms, blocks=self._blocks_seen,
                 )
+                self._blocks_seen = []
                 self._offered = []
                 self._idle_closes = 0
             else:
@@ -132,7 +141,8 @@ class Batcher:
                     )
                     entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
                     sent += 1
-                    self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests))
+                    self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests),
+                                       sum(p.request.in_tokens for p in plan.requests))
                     await self.producer.add_many(
                         (keys.DECISIONS, DecisionEvent(
                             kind="dispatch", policy=c.policy, choice=c.node, request_ids=c.request_ids, ts_ms=now,
@@ -196,11 +206,18 @@ class Batcher:
             except TimeoutError:
                 pass
 
+    async def _publish_backlog(self) -> None:
+        """The prompt tokens this batcher holds, for the router's work figure of the rack."""
+        tokens = sum(p.request.in_tokens for p in self.window.pending)
+        await self.r.hset(keys.rack_status(self.rack), mapping={f"tokens:{self.actor}": str(tokens),
+                                                                 f"ts:{self.actor}": str(WALL.now_ms())})
+
     async def _refresh_loop(self, stop: asyncio.Event) -> None:
         interval = self.config.policies.node_selection.refresh_ms / 1000.0
         while not stop.is_set():
             try:
                 await self.view.refresh()
+                await self._publish_backlog()
                 self._export_metrics()
             except Exception as e:
                 log.warning("rack %s: cluster view refresh failed: %s", self.rack, e)
@@ -227,6 +244,7 @@ class Batcher:
             asyncio.create_task(self._refresh_loop(stop)),
             asyncio.create_task(self._tick_loop(stop)),
             asyncio.create_task(self.consumer.run()),
+            asyncio.create_task(self.feed.run(stop)),
         ]
         log.info("batcher for rack %s ready", self.rack)
         await stop.wait()

@@ -8,7 +8,7 @@ is alive with state `active` AND its status is fresher than `stale_ms`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -20,6 +20,7 @@ from pipeline.routing.views import NodeView, RackView
 from streams import codec, keys
 from streams.errors import DecodeError
 from workers.etcd_store import EtcdStoreError, NodeRegistry
+from workers.runtime import WALL
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,12 @@ def node_view_from_status(
         kv_free_kb=max(0.0, status.kv_capacity_kb - status.kv_used_kb),
         running=status.running,
         waiting=status.waiting,
+        prefill_tokens=status.prefill_tokens,
+        decode_seqs=status.decode_seqs,
+        decode_tokens=status.decode_tokens,
+        kv_usage=status.kv_usage,
+        slowdown=status.slowdown,
+        max_seqs=status.max_seqs,
     )
 
 
@@ -68,6 +75,23 @@ def _free_gb(status: HealthEvent, gpu: HealthEvent | None) -> float:
     return min(gpu.gpu_mem_free_gb, gpu.gpu_mem_total_gb * engine_frac)
 
 
+def pending_tokens(fields: Mapping[bytes | str, bytes | str], now_ms: float, stale_ms: float) -> float:
+    """Prompt tokens the batchers of a rack hold, from its status hash: `tokens:{actor}` and `ts:{actor}` per
+    batcher; a batcher that stopped writing (older than stale_ms) is not counted."""
+    vals = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in fields.items()}
+    total = 0.0
+    for k, v in vals.items():
+        if not k.startswith("tokens:"):
+            continue
+        try:
+            if now_ms - float(vals.get("ts:" + k[7:], "0")) <= stale_ms:
+                total += float(v)
+        except ValueError:
+            continue
+    return total
+
+
 @dataclass
 class ClusterView:
     config: RackflowConfig
@@ -79,6 +103,10 @@ class ClusterView:
     registered: dict[str, dict[str, object]] = field(default_factory=dict)
     admin: dict[str, dict[str, object]] = field(default_factory=dict)
     rack_backlog: dict[str, int] = field(default_factory=dict)
+    rack_pending_tokens: dict[str, float] = field(default_factory=dict)
+    """Prompt tokens of the requests a rack's batchers hold (their `rf:rack:{R}:status`)."""
+    decode_weight_tokens: float = 256.0
+    _now_ms: Callable[[], float] = WALL.now_ms
 
     async def refresh(self, racks: tuple[str, ...] | None = None, with_backlog: bool = False) -> None:
         try:
@@ -117,6 +145,8 @@ class ClusterView:
                     if g.get("name") in (keys.GROUP_BATCHER, keys.GROUP_BATCHER.encode()):
                         backlog = int(g.get("lag") or 0) + int(g.get("pending") or 0)
                 self.rack_backlog[rack] = backlog
+                self.rack_pending_tokens[rack] = pending_tokens(await self.r.hgetall(keys.rack_status(rack)),
+                                                                self._now_ms(), self.stale_ms)
 
     def node_views(self, now_ms: float, rack: str | None = None) -> list[NodeView]:
         out = []
@@ -133,10 +163,17 @@ class ClusterView:
         return out
 
     def rack_views(self, now_ms: float) -> dict[str, RackView]:
+        """Per rack: healthy (an active node), load in requests (engines' running + waiting, batcher backlog) and
+        work in prompt-token units (prefill queued in its engines and its batchers, plus decode_weight_tokens per
+        sequence), compared per active node by the rack choice."""
         out = {}
+        dw = self.decode_weight_tokens
         for r in self.config.cluster.racks:
             nodes = self.node_views(now_ms, r.name)
             active = [n for n in nodes if n.active]
-            load = sum(n.running + n.waiting for n in active) + self.rack_backlog.get(r.name, 0)
-            out[r.name] = RackView(r.name, bool(active), float(load))
+            backlog = self.rack_backlog.get(r.name, 0)
+            load = sum(n.running + n.waiting for n in active) + backlog
+            work = (sum(n.prefill_tokens for n in active) + self.rack_pending_tokens.get(r.name, 0.0)
+                    + dw * load)
+            out[r.name] = RackView(r.name, bool(active), float(load), float(work), len(active))
         return out

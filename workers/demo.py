@@ -64,6 +64,9 @@ class DemoRun:
     seed: int
     progress: bool = True
     idle_timeout_s: float = 120.0
+    rows: list[TraceRequest] | None = None
+    """Requests to replay instead of the first `requests` of the Azure trace at `trace` (their users and prefix
+    blocks are kept; a request without a user gets a Zipf-drawn one)."""
     submitted: dict[str, float] = field(default_factory=dict)
     results: dict[str, ResultEvent] = field(default_factory=dict)
     result_counts: Counter[str] = field(default_factory=Counter)
@@ -72,9 +75,9 @@ class DemoRun:
         await wait_cluster_ready(self.config, self.redis_url, self.etcd_url, timeout_s)
 
     async def run(self) -> dict[str, Any]:
-        rows = read_azure_trace(self.trace, self.requests)
+        rows = self.rows if self.rows is not None else read_azure_trace(self.trace, self.requests)
         rng = random.Random(self.seed)
-        users = zipf_users(500, 1.1, rng, len(rows))
+        users = [row.user_id or u for row, u in zip(rows, zipf_users(500, 1.1, rng, len(rows)), strict=True)]
         r = connect(self.redis_url)
         gateway = Gateway(self.config, r)
         try:
@@ -98,6 +101,7 @@ class DemoRun:
                 due.append(ProfileInput(
                     request_id=str(uuid.uuid4()), tenant="demo", user_id=users[i], model=self.model,
                     arrival_ms=WALL.now_ms(), prompt_tokens=row.in_tokens, max_tokens=row.out_tokens,
+                    prefix_hashes=row.prefix_hashes or None,
                 ))
                 i += 1
             if due:

@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 
+from pipeline.admission import Admission, ShedReason
 from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent, RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput, profile_request
@@ -76,11 +77,16 @@ class Gateway:
         self._queues: dict[str, int] = {}
         self._views: dict[str, RackView] = {}
         rp = config.policies.router
-        self._rack_policy: RackAffinityRouter = lookup(ROUTER_POLICIES, "router", rp.policy)(
-            {m: config.racks_serving(m) for m in config.models}, rp.virtual_nodes, rp.load_bound, rp.load_slack
-        )
-        """The router's own rack policy: the gateway predicts the rack a request will go to (same hash ring, same
-        bounded-load walk over the same load figure: running + waiting of fresh nodes + the rack's backlog)."""
+        lookup(ROUTER_POLICIES, "router", rp.policy)
+        self._rack_policy: RackAffinityRouter = RackAffinityRouter.from_config(
+            {m: config.racks_serving(m) for m in config.models}, rp)
+        self._rack_policy.prefix_aware = False
+        """The router's rack policy, without the prefix index (the router's own input): the gateway predicts the
+        rack a request will go to by its user's hash and the same bounded-load walk over the racks' load (running
+        + waiting of fresh nodes + the rack's backlog). The simulator predicts it the same way."""
+        self.admission = Admission(config.gateway)
+        self._queued_since: dict[str, float] = {}
+        """Per rack, since when (monotonic s) its queue has been non-empty at every read."""
         self._queues_t = -math.inf
         self._queues_lock = asyncio.Lock()
         self._done: collections.deque[tuple[float, int]] = collections.deque()
@@ -224,6 +230,12 @@ class Gateway:
             while len(self._done) > 2 and t - self._done[0][0] > 3.0:
                 self._done.popleft()
         views = {rk: RackView(rk, rk in running, float(q + running.get(rk, 0))) for rk, q in queues.items()}
+        t = time.monotonic()
+        for rk, q in queues.items():
+            if q <= 0:
+                self._queued_since.pop(rk, None)
+            else:
+                self._queued_since.setdefault(rk, t)
         return queues, views
 
     def completion_rate(self) -> float | None:
@@ -233,15 +245,15 @@ class Gateway:
         (t0, a0), (t1, a1) = self._done[0], self._done[-1]
         return (a1 - a0) / (t1 - t0) if t1 > t0 else None
 
+    def rack_rate(self, racks: int = 1) -> float | None:
+        """The recent completion rate of `racks` of the cluster's racks (their share of the cluster's rate)."""
+        rate = self.completion_rate()
+        return None if rate is None else rate * racks / max(1, len(self.config.rack_names()))
+
     def retry_after(self, queued: int, racks: int) -> int:
         """Seconds until the queue ahead (`queued` requests in `racks` of the cluster's racks) drains at the recent
         completion rate (the cluster's rate, this share of racks), within [retry_after_s, max_retry_after_s]."""
-        gw = self.config.gateway
-        rate = self.completion_rate()
-        share = racks / max(1, len(self.config.rack_names()))
-        if rate is None or rate * share <= 0:
-            return gw.max_retry_after_s
-        return max(gw.retry_after_s, min(gw.max_retry_after_s, math.ceil(queued / (rate * share))))
+        return self.admission.retry_after(queued, self.rack_rate(racks))
 
     async def admit(self, inp: ProfileInput) -> RequestEvent:
         """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload.
@@ -267,13 +279,19 @@ class Gateway:
             )
         queues, views = await self.rack_queues()
         rack = self._rack_policy.route(req.user_id, req.model, views).rack if views else None
-        rack_bound = self.config.gateway.max_rack_queue
-        if rack is not None and queues.get(rack, 0) >= rack_bound:
-            # the router would queue it behind a full rack (its bounded-load walk found no rack with room)
-            raise RequestRejected(
-                f"rack {rack} is saturated ({queues[rack]} requests queued, bound {rack_bound}); retry later",
-                429, None, self.retry_after(queues[rack], 1), code="overloaded",
-            )
+        if rack is not None:
+            since = self._queued_since.get(rack)
+            verdict = self.admission.decide(queues.get(rack, 0), self.rack_rate(1),
+                                            time.monotonic() - since if since is not None else 0.0)
+            if not verdict.admit:
+                # the router would queue it behind a full rack (its bounded-load walk found no rack with room)
+                gw = self.config.gateway
+                why = (f"{queues[rack]} requests queued, bound {gw.max_rack_queue}"
+                       if verdict.reason is ShedReason.RACK_QUEUE else
+                       f"{queues[rack]} requests queued, about {verdict.wait_s or 0:.0f} s of work, bound "
+                       f"{gw.max_queue_s:g} s")
+                raise RequestRejected(f"rack {rack} is saturated ({why}); retry later", 429, None,
+                                      verdict.retry_after_s, code="overloaded")
         await self.producer.add(keys.INGRESS, req)
         return req
 

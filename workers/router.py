@@ -15,7 +15,8 @@ import logging
 
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
-from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache
+from pipeline.replay import rack_router
+from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache, rack_cached_tokens
 from pipeline.routing.registry import ROUTER_POLICIES, lookup
 from pipeline.routing.views import RackView
 from streams import codec, keys
@@ -23,6 +24,7 @@ from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers import metrics, tracing
 from workers.cluster_view import ClusterView
 from workers.etcd_store import NodeRegistry
+from workers.prefix_feed import PrefixFeed
 from workers.results import ResultWriter
 from workers.runtime import WALL, consumer_name, log_context
 
@@ -42,14 +44,15 @@ class Router:
     def __init__(self, config: RackflowConfig, redis_url: str, etcd_url: str, no_rack_wait_s: float = 30.0) -> None:
         self.config = config
         pol = config.policies
-        cls = lookup(ROUTER_POLICIES, "router", pol.router.policy)
-        racks_by_model = {m: config.racks_serving(m) for m in config.models}
-        self.policy: RackAffinityRouter = cls(
-            racks_by_model, pol.router.virtual_nodes, pol.router.load_bound, pol.router.load_slack
-        )
+        lookup(ROUTER_POLICIES, "router", pol.router.policy)  # a clear error for an unknown router policy
+        self.policy: RackAffinityRouter = rack_router(config)
         self.r = connect(redis_url)
         self.registry = NodeRegistry(etcd_url)
-        self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms)
+        self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms,
+                                decode_weight_tokens=pol.router.decode_weight_tokens)
+        self.feed = PrefixFeed(self.r, config.rack_names())
+        """Where every node's prefix blocks are cached (their block events): the rack choice weighs it."""
+        self.node_rack = {n.name: config.rack_of(n.name) for n in config.nodes()}
         retention_ms = pol.streams.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
         self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
@@ -77,7 +80,10 @@ class Router:
         choices: list[str] = []
         walked: dict[str, float] = {}
         waited = 0.0
-        rule = self.config.policies.router.prefix_cache_rule
+        rp = self.config.policies.router
+        rule = rp.prefix_cache_rule
+        bt = self.config.policies.profiling.prefix_block_tokens
+        cached_seen: dict[str, float] = {}
         for d in deliveries:
             req = d.event
             if not isinstance(req, RequestEvent):
@@ -86,8 +92,14 @@ class Router:
                 errors.append(error_result(req, f"model {req.model!r} is not served by any rack; served: "
                                                 f"{', '.join(self.policy.models())}"))
                 continue
+            cached = None
+            if self.policy.prefix_aware and req.prefix_hashes and req.prefix_cache:
+                cached = rack_cached_tokens(self.feed.index.matches(req.prefix_hashes), self.node_rack, bt,
+                                            req.in_tokens)
+                for rk, t in cached.items():
+                    cached_seen[f"cached:{req.request_id}:{rk}"] = t
             while True:
-                decision = self.policy.route(req.user_id, req.model, views)
+                decision = self.policy.route(req.user_id, req.model, views, cached)
                 if decision.rack is not None or waited >= self.no_rack_wait_s:
                     break
                 await asyncio.sleep(0.2)  # no healthy rack yet (cluster starting, or every rack down)
@@ -104,7 +116,9 @@ class Router:
                     tracing.hop("router.route", req, now, error="no healthy rack")
                 continue
             rack = decision.rack
-            views[rack] = dataclasses.replace(views[rack], load=views[rack].load + 1.0)
+            v = views[rack]
+            views[rack] = dataclasses.replace(v, load=v.load + 1.0,
+                                              work=v.work + req.in_tokens + rp.decode_weight_tokens)
             kept = rack == decision.primary
             metrics.ROUTED.labels(rack, "kept" if kept else "walked").inc()
             prefix_cache = keeps_prefix_cache(rule.enabled, rule.min_tokens, req.in_tokens, decision, req.prefix_cache)
@@ -123,7 +137,10 @@ class Router:
         if ids:
             scores = {f"load:{k}": v.load for k, v in seen.items()}
             scores.update({f"healthy:{k}": float(v.healthy) for k, v in seen.items()})
+            scores.update({f"work:{k}": v.work for k, v in seen.items()})
+            scores.update({f"nodes:{k}": float(v.nodes) for k, v in seen.items()})
             scores.update(walked)
+            scores.update(cached_seen)
             decision_ev = DecisionEvent(
                 kind="route", policy=self.policy.name, choice=choices[0], request_ids=tuple(ids), ts_ms=now,
                 scores=scores, draw=-1.0, choices=tuple(choices),
@@ -157,11 +174,12 @@ class Router:
         await self.r.set(keys.CONFIG, json.dumps(self.config.model_dump(mode="json")))
         await self.view.refresh(with_backlog=True)
         refresh = asyncio.create_task(self._refresh_loop(stop))
+        feed = asyncio.create_task(self.feed.run(stop))
         consume = asyncio.create_task(self.consumer.run())
         log.info("router ready (policy %s)", self.policy.name)
         await stop.wait()
         self.consumer.stop()
-        await asyncio.gather(consume, refresh, return_exceptions=True)
+        await asyncio.gather(consume, refresh, feed, return_exceptions=True)
         await self.consumer.close()
         await self.registry.close(revoke=False)
         await self.r.aclose()

@@ -28,6 +28,7 @@ from pipeline.config import RackflowConfig
 from pipeline.costmodel import CalibratedCostModel
 from pipeline.events import (
     BatchEvent,
+    BlockEvent,
     CancelEvent,
     HealthEvent,
     ReleaseEvent,
@@ -45,6 +46,7 @@ from workers.engines.base import EngineError
 from workers.engines.sim import SimEngine
 from workers.etcd_store import NodeRegistry, SeqRecord, SeqRecorder, SequenceRegistry
 from workers.kv.manager import KvTierManager
+from workers.prefix_feed import BLOCK_STREAM_MAXLEN
 from workers.results import ResultWriter
 from workers.runtime import WALL, consumer_name, log_context
 
@@ -71,12 +73,19 @@ class _Live:
 def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
     if engine == "sim":
         # the committed fit (configs/calibration.json), read once per process; nothing is re-fitted here
+        spec = config.node(node)
+        model = config.models[spec.models[0]]
+        bt = config.policies.profiling.prefix_block_tokens
+        host_gb = config.policies.kv.host_prefix_gb_per_gpu * spec.tp
         return SimEngine(
             cost=CalibratedCostModel.for_node(config, node),
-            kv_capacity_kb=config.node_mem_budget_kb(node),
+            kv_capacity_kb=config.node_kv_capacity_kb(node),
             max_running=config.policies.worker.max_running,
             now_ms=WALL.now_ms,
             zero_time=config.policies.worker.zero_time,
+            max_batched_tokens=config.policies.worker.max_batched_tokens,
+            prefix_block_tokens=bt,
+            host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
         )
     if engine == "torch":
         # imported here: torch and transformers load only in workers that run this engine
@@ -100,7 +109,7 @@ def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
             vc.model, WALL.now_ms, tensor_parallel_size=vc.tensor_parallel_size or spec.tp,
             gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
             enable_prefix_caching=vc.enable_prefix_caching, cpu_offload_gb=vc.cpu_offload_gb,
-            kv_connector=vc.kv_connector, kv_capacity_kb=config.node_mem_budget_kb(node),
+            kv_connector=vc.kv_connector, kv_capacity_kb=config.node_kv_capacity_kb(node),
         )
     raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
 
@@ -325,7 +334,7 @@ class Worker:
         if req.in_tokens < 0 or req.in_tokens + req.max_tokens > spec.context:
             return (f"in_tokens {req.in_tokens} + max_tokens {req.max_tokens} do not fit the context of "
                     f"{req.model} ({spec.context} tokens)")
-        budget_kb = self.config.node_mem_budget_kb(self.node)
+        budget_kb = self.config.node_kv_capacity_kb(self.node)
         if not 0.0 <= req.mem_est_kb <= budget_kb:
             # the batcher never sends one (it rejects what no node's budget holds); admitted, a size of 1e308
             # would overflow the engine's memory ledger to inf/NaN and leave it one sequence at a time for good
@@ -459,6 +468,7 @@ class Worker:
                     pass
                 continue
             out = await self.engine.step()
+            await self._publish_blocks()
             self._m_steps.inc()
             self._m_tokens.inc(len(out.tokens))
             self._m_step_ms.observe(out.step_ms)
@@ -521,6 +531,26 @@ class Worker:
             done_ids = [r.request_id for r in results]
             await self._outage_safe("acknowledging batches", lambda: self._settle(done_ids))
 
+    async def _publish_blocks(self, cleared: bool = False) -> None:
+        """What the engine's prefix cache stored and evicted since the last step, for the batchers' and routers'
+        prefix indexes (`rf:rack:{R}:blocks`); `cleared` first: this engine holds nothing (it just started)."""
+        take = getattr(self.engine, "take_block_events", None)
+        changes = take() if take is not None else []
+        if not changes and not cleared:
+            return
+        now = WALL.now_ms()
+        events = [BlockEvent(self.node, self.rack, now, cleared=True)] if cleared else []
+        events += [BlockEvent(self.node, self.rack, now, stored, removed) for stored, removed in changes]
+        key = keys.rack_blocks(self.rack)
+
+        async def write() -> None:
+            pipe = self.r.pipeline(transaction=False)
+            for ev in events:
+                pipe.xadd(key, codec.encode(ev), maxlen=BLOCK_STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+            await pipe.execute()
+
+        await self._outage_safe("publishing prefix blocks", write)
+
     async def _outage_safe(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
         """A Redis write of the engine loop outlives a Valkey outage (a restart, a failover): retried with backoff
         for up to OUTAGE_S instead of killing the loop. Safe to repeat: final results are exactly-once by their
@@ -576,7 +606,7 @@ class Worker:
             # The batcher budgets in the served model's memory estimates (mem_est_kb); an engine that counts other
             # bytes (the CPU torch stand-in: a tiny model's real KV, swapped to L1/L2 beyond its L0) is reported in
             # those units, so a request the node's budget holds is never held back by the stand-in's byte count.
-            kv_capacity_kb = self.config.node_mem_budget_kb(self.node)
+            kv_capacity_kb = self.config.node_kv_capacity_kb(self.node)
             kv_used_kb = sum(live.req.mem_est_kb for live in self.live.values())
         return HealthEvent(
             node=self.node,
@@ -591,6 +621,14 @@ class Worker:
             running=s.running,
             waiting=s.waiting,
             last_batch_entry=self.last_batch_entry,
+            prefill_tokens=s.prefill_tokens,
+            decode_seqs=s.decode_seqs,
+            decode_tokens=s.decode_tokens,
+            kv_usage=s.kv_usage,
+            slowdown=s.slowdown,
+            max_seqs=s.max_seqs,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            prompt_tokens=s.prompt_tokens,
         )
 
     async def publish_status(self) -> None:
@@ -678,6 +716,7 @@ class Worker:
         )
         engine_stop = asyncio.Event()
         status_stop = asyncio.Event()
+        await self._publish_blocks(cleared=True)  # whatever an earlier incarnation had cached is gone
         await self.publish_status()
         self.recorder.start()
         tasks = [

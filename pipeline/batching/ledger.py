@@ -22,21 +22,24 @@ def stream_id_key(entry_id: str) -> tuple[int, int]:
 
 @dataclass
 class ReservationLedger:
-    _inflight: dict[str, list[tuple[tuple[int, int], float, int]]] = field(default_factory=dict)
+    _inflight: dict[str, list[tuple[tuple[int, int], float, int, int]]] = field(default_factory=dict)
 
-    def record(self, node: str, entry_id: str, mem_kb: float, requests: int) -> None:
-        self._inflight.setdefault(node, []).append((stream_id_key(entry_id), mem_kb, requests))
+    def record(self, node: str, entry_id: str, mem_kb: float, requests: int, prompt_tokens: int = 0) -> None:
+        self._inflight.setdefault(node, []).append((stream_id_key(entry_id), mem_kb, requests, prompt_tokens))
 
     def reserved_kb(self, node: str) -> float:
-        return sum(m for _, m, _ in self._inflight.get(node, ()))
+        return sum(r[1] for r in self._inflight.get(node, ()))
 
     def apply(self, view: NodeView, last_admitted: str) -> NodeView:
-        """Drop reservations the node has admitted; return the view with what is still in flight subtracted."""
+        """Drop reservations the node has admitted; return the view with what is still in flight added: its memory
+        taken from the free KV, its requests waiting, their prompts queued for prefill."""
         seen = stream_id_key(last_admitted)
         pending = [r for r in self._inflight.get(view.name, ()) if r[0] > seen]
         self._inflight[view.name] = pending
         if not pending:
             return view
-        mem = sum(m for _, m, _ in pending)
-        n = sum(k for _, _, k in pending)
-        return replace(view, kv_free_kb=max(0.0, view.kv_free_kb - mem), waiting=view.waiting + n)
+        mem = sum(r[1] for r in pending)
+        n = sum(r[2] for r in pending)
+        tokens = sum(r[3] for r in pending)
+        return replace(view, kv_free_kb=max(0.0, view.kv_free_kb - mem), waiting=view.waiting + n,
+                       prefill_tokens=view.prefill_tokens + tokens)

@@ -32,6 +32,10 @@ from pipeline.routing.node_policies.base import NodePolicy
 from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 
+MAX_WAIT_CHECKS = 64
+"""Waiting requests a close asks their policy whether to keep waiting for a busy node (the rest are placed wherever
+there is room, or wait for the next close): bounds a close's cost under a long queue."""
+
 
 class PendingRequest:
     """A request waiting in a window. `windows_waited` counts the windows closed since it was offered (plus any
@@ -268,6 +272,7 @@ class WindowBatcher:
         open_choice: dict[tuple[str, str, str], int] = {}
         refused = False
         max_budget = max(budgets.values(), default=0.0)
+        checks = [0]
 
         def place(p: PendingRequest) -> bool:
             """Try to put one request on a node; True when placed."""
@@ -285,11 +290,12 @@ class WindowBatcher:
                 return False
             waits = getattr(pol, "waits_for", None)
             # a request may wait here for a node that cannot take it now (its prefix is cached there) while it stays
-            # free to go anywhere; the policy says for how long
-            if waits is not None and len(cands) < len(
-                    everyone := [views[n] for n in sorted(budgets) if self.serves(n, req.model)]
-            ) and waits(everyone, cands, req, now_ms - p.enqueued_ms):
-                return False
+            # free to go anywhere; the policy says for how long (asked for the first MAX_WAIT_CHECKS of a close)
+            if waits is not None and checks[0] < MAX_WAIT_CHECKS and len(cands) < len(
+                    everyone := [views[n] for n in sorted(budgets) if self.serves(n, req.model)]):
+                checks[0] += 1
+                if waits(everyone, cands, req, now_ms - p.enqueued_ms):
+                    return False
             key = (req.model, pname)
             node: str | None = None
             if not pol.per_request:

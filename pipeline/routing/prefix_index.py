@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pipeline.events import BlockEvent
+
 
 class PrefixIndex:
     def __init__(self, capacity_blocks: int) -> None:
@@ -130,3 +132,14 @@ class BlockIndex:
 
     def owners(self) -> list[str]:
         return sorted(o for o, held in self._held.items() if held)
+
+
+def apply_block_event(index: BlockIndex, ev: BlockEvent) -> None:
+    """One node's prefix-cache changes, in the order the engine made them: a clear first (it lost everything), then
+    what it evicted, then what it stored."""
+    if ev.cleared:
+        index.clear(ev.node)
+    if ev.removed:
+        index.removed(ev.node, ev.removed)
+    if ev.stored:
+        index.stored(ev.node, ev.stored)

@@ -56,6 +56,8 @@ class SimSeq:
     admitted_ms: float = 0.0
     host_tokens: int = 0
     """Of `cached`, the tokens loaded back from the host-memory tier (charged to its first prefill chunk)."""
+    resident: bool = False
+    """Its KV is already here (moved in with it): admission prefills only the token that continues it."""
 
 
 @dataclass(slots=True)
@@ -94,6 +96,7 @@ class SimNode:
         block_listener: BlockListener | None = None,
         util_bin_ms: float = 10_000.0,
         preempted: set[int] | None = None,
+        max_stretch_steps: int = 0,
     ) -> None:
         self.name = name
         self.rack = rack
@@ -102,6 +105,9 @@ class SimNode:
         self.capacity_tokens = kv_capacity_tokens
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.max_stretch_steps = max_stretch_steps
+        """Most decode steps one phase may run (0: as many as nothing changes in; the live `sim` engine runs 1, so
+        that each step hands out its tokens)."""
         self.mem_cap_kb = mem_cap_kb
         self.vram_total_gb = vram_total_gb
         self.weights_gb = weights_gb
@@ -144,6 +150,7 @@ class SimNode:
         self.seq_integral = 0.0
         """Integral of running sequences (mean concurrency)."""
         self._last_mem_t = 0.0
+        self._origin: float | None = None
         self.preemptions = 0
         self.preempted = preempted if preempted is not None else set()
         """Requests preempted at least once (shared by the nodes of a simulation)."""
@@ -178,6 +185,9 @@ class SimNode:
         return min(1.0, (self.weights_gb + self.kv_bytes() / 1e9) / self.vram_total_gb)
 
     def _account_mem(self, now: float) -> None:
+        if self._origin is None:  # the first event: integrals and bins start here (the live engine's clock is epoch ms)
+            self._origin = self._last_mem_t = now
+            return
         if now > self._last_mem_t:
             t0 = self._last_mem_t
             dt = now - t0
@@ -189,6 +199,8 @@ class SimNode:
             if kv > 0:
                 w = self.util_bin_ms
                 bins = self.kv_bins
+                t0 -= self._origin
+                now -= self._origin
                 k = int(t0 // w)
                 while t0 < now:
                     end = min(now, (k + 1) * w)
@@ -235,6 +247,39 @@ class SimNode:
         self.prefix.clear()  # a dead node's GPU and host memory are gone
         return [SimSeq(s.rid, s.prompt, s.remaining, s.mem_est_kb, s.prefix) for s in out]
 
+    def abort(self, rid: int) -> SimSeq | None:
+        """Take one sequence out (a cancel, a release for migration) with its accounting; None if it is not here.
+        Not while a phase is in progress (the live engine applies aborts between phases)."""
+        assert self.phase is None, "abort between phases only"
+        for s in self.waiting:
+            if s.rid == rid:
+                self.waiting.remove(s)
+                self.prefill_backlog -= s.prompt
+                self.mem_est_used -= s.mem_est_kb
+                return s
+        for s in self.prefilling:
+            if s.rid == rid:
+                self.prefilling.remove(s)
+                self.prefill_backlog -= s.prompt - s.prefilled
+                self.kv_tokens -= s.prompt
+                self.mem_est_used -= s.mem_est_kb
+                return s
+        if rid not in self.decoding:
+            return None
+        s = self.decoding.pop(rid)
+        tokens = s.prompt + (self.steps - s.started_step)
+        self.kv_tokens -= tokens
+        self.kv_decoding -= tokens
+        self.mem_est_used -= s.mem_est_kb
+        self._finish_heap = [(f, r) for f, r in self._finish_heap if r != rid]
+        heapq.heapify(self._finish_heap)
+        return s
+
+    def generated(self, rid: int) -> int | None:
+        """Decode steps a decoding sequence has had on this node since its first token (None: not decoding)."""
+        s = self.decoding.get(rid)
+        return None if s is None else self.steps - s.started_step
+
     # -- prefix cache --------------------------------------------------------------------------------------------
     def _prefix_hit(self, seq: SimSeq) -> tuple[int, int]:
         """(cached tokens, of which loaded from host memory) of a sequence being admitted."""
@@ -274,7 +319,7 @@ class SimNode:
             if need > self._free_tokens() and self.running:
                 return
             self.waiting.popleft()
-            s.cached, s.host_tokens = self._prefix_hit(s)
+            s.cached, s.host_tokens = (s.prompt - 1, 0) if s.resident else self._prefix_hit(s)
             s.prefilled = s.cached
             s.admitted_ms = now
             self.prompt_tokens += s.prompt
@@ -344,6 +389,8 @@ class SimNode:
                     return self.schedule(now)
             r_min = self._finish_heap[0][0] - self.steps
             steps = max(1, min(r_min, max(1, steps_oom)))
+            if self.max_stretch_steps:
+                steps = min(steps, self.max_stretch_steps)
             dt = self.cost.decode_span_ms(n, self.kv_decoding, steps) * self.slow_factor
             end = now + dt
             self.phase = ("decode", now, n, self.kv_decoding, steps, end)

@@ -29,9 +29,10 @@ from pipeline.events import RequestEvent
 from pipeline.failover import LiveSequence, plan_migrations
 from pipeline.health import HealthSample, HealthScorer
 from pipeline.profiling import estimate_mem_kb
+from pipeline.replay import policy_context
 from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache, rack_cached_tokens
-from pipeline.routing.registry import NodePolicySet, PolicyContext
+from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView, RackView
 from pipeline.sim.node import SimNode, SimSeq, StepCost
 from pipeline.sim.traces import TraceRequest
@@ -53,8 +54,10 @@ class Fault:
 @dataclass(frozen=True, slots=True)
 class SimParams:
     block_size: int = 16
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 8192
+    max_num_seqs: int | None = None
+    """Sequences an engine runs at once; None: the config's worker.max_running (what the live engines run)."""
+    max_batched_tokens: int | None = None
+    """Tokens per iteration; None: the config's worker.max_batched_tokens."""
     dispatch_latency_ms: float = 1.0
     """Batcher -> node (stream hop)."""
     migration_latency_ms: float = 5.0
@@ -164,10 +167,7 @@ class Simulator:
                 costs[spec.name] = cost_for(spec)
                 self.nodes.append(self._make_node(spec, rack.name, costs[spec.name]))
                 self.node_models[spec.name] = frozenset(spec.models)
-            node_blocks = max(1, min(self.nodes[i].capacity_tokens for i in idx) // bt)
-            ctx = PolicyContext(node_gpus={n.name: n.gpu for n in specs}, block_tokens=bt, cost_of=costs.__getitem__,
-                                blocks=self.blocks, node_blocks=node_blocks,
-                                max_batched_tokens=params.max_batched_tokens)
+            ctx = policy_context(config, rack.name, self.blocks, _lookup(costs))
             policies = NodePolicySet(pol.node_selection, pol.seed, rack.name, ctx.node_gpus, bt, context=ctx)
             caps = {n.name: config.node_kv_capacity_kb(n.name) for n in specs}
             models = {n.name: frozenset(n.models) for n in specs}
@@ -234,9 +234,11 @@ class Simulator:
             if stored:
                 blocks.stored(name, stored)
 
+        wp = self.config.policies.worker
         return SimNode(
             spec.name, rack, cost, kv_capacity_tokens=kv_tokens, block_size=self.params.block_size,
-            max_num_seqs=self.params.max_num_seqs, max_batched_tokens=self.params.max_batched_tokens,
+            max_num_seqs=self.params.max_num_seqs or wp.max_running,
+            max_batched_tokens=self.params.max_batched_tokens or wp.max_batched_tokens,
             mem_cap_kb=kv_kb, vram_total_gb=total_gb, weights_gb=weights_gb,
             kv_bytes_per_token=model.kv_bytes_per_token, prefix_block_tokens=bt,
             prefix_cache=self.params.prefix_cache,
@@ -581,6 +583,10 @@ class Simulator:
             util_bin_ms=self.params.util_bin_ms, preempted=len(self.preempted), shed=self.shed,
             host_hit_tokens=sum(x.host_hit_tokens for x in self.nodes),
         )
+
+
+def _lookup(costs: dict[str, StepCost]) -> Callable[[NodeSpec], StepCost]:
+    return lambda n: costs[n.name]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -36,7 +36,8 @@ async def _pending_by_pid(url: str, racks: tuple[str, ...]) -> dict[int, int]:
 def test_sigkill_one_of_two_batchers_loses_nothing(clean_services, config_file, tmp_path):  # type: ignore[no-untyped-def]
     override = json.loads(json.dumps(harness.SMALL_CLUSTER))
     # long windows so requests sit in the victim's window when it dies; two batchers per rack
-    override["policies"]["batcher"] = {"consumers_per_rack": 2, "window_ms": 3000, "close_when_node_idle": False}
+    override["policies"]["batcher"] = {"consumers_per_rack": 2, "window_ms": 3000, "close_when_node_idle": False,
+                                      "close_when_room": False}
     path = config_file(override)
     config = harness.small_config(path)
     url = clean_services.redis_url

@@ -40,6 +40,7 @@ from pipeline.events import (
     MAX_ITEMS,
     MAX_STR,
     BatchEvent,
+    BlockEvent,
     CancelEvent,
     DecisionEvent,
     HealthEvent,
@@ -110,6 +111,7 @@ def samples() -> dict[str, Any]:
         "resume": ResumeEvent(req, (1, 2), ("a", "b"), "r0-n1"),
         "release": ReleaseEvent("sample-req", 2, "r0-n1", now),
         "cancel": CancelEvent("sample-req", now, "because"),
+        "blocks": BlockEvent(NODE, RACK, now, (11, 12), (13,)),
     }
 
 
@@ -677,6 +679,6 @@ def test_worker_refuses_a_request_no_memory_budget_holds(env) -> None:  # type: 
         r.xadd(keys.node_batches(NODE), codec.encode(BatchEvent(str(uuid.uuid4()), RACK, NODE, tuple(more), 64.0, 1e6,
                                                                now, now)))
         seen: list[int] = []
-        wait_for(lambda: seen.append(len(engine.running)) or all(r.exists(keys.result_done(q.request_id))
+        wait_for(lambda: seen.append(engine.stats().running) or all(r.exists(keys.result_done(q.request_id))
                                                                   for q in more), 20, lambda: "the 4 did not finish")
         assert max(seen) >= 2, f"one sequence at a time: {seen}"

@@ -42,7 +42,7 @@ def cluster(clean_services, config_file, tmp_path):  # type: ignore[no-untyped-d
     # a generous rack load slack: these tests are about node choice and decisions, not the rack walk (a burst of
     # one user's requests read in one router batch would otherwise walk to the other rack by bounded load)
     override["policies"] = {"streams": {"claim_idle_ms": 1500}, "node_selection": {"stale_ms": 1000},
-                            "router": {"load_slack": 50.0}}
+                            "router": {"load_slack": 50.0, "affinity_tokens": 1e6}}
     path = config_file(override)
     config = harness.small_config(path)
     procs = ClusterProcesses(config, clean_services.redis_url, clean_services.etcd_url, tmp_path / "logs",
@@ -75,7 +75,7 @@ def test_decisions_cover_every_request_and_override_is_honoured(cluster) -> None
     by_req = {rid: d for d in dispatches for rid in d.request_ids}
     for item, req in zip(items, sent, strict=True):
         d = by_req[req.request_id]
-        assert d.policy == (item.route_policy or "weighted")
+        assert d.policy == (item.route_policy or config.policies.node_selection.policy)
         assert d.choice == got[req.request_id].node
         assert d.choice in config.nodes_serving("qwen2-7b", got[req.request_id].rack)
     # route decisions carry what the router saw

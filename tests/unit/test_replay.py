@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
-from pipeline.events import DecisionEvent, RequestEvent
+from pipeline.events import BlockEvent, DecisionEvent, RequestEvent
 from pipeline.replay import DrawLog, Replayer, rack_batcher, rack_router, window_record
+from pipeline.routing.prefix_index import BlockIndex, apply_block_event
 from pipeline.routing.views import NodeView, RackView
 from streams import codec
 from streams.replay_file import Header, RecordingError, RecordingWriter, read_header, read_records
@@ -31,12 +32,29 @@ def _config(tmp_path: Path, policy: str) -> RackflowConfig:
     return load_config(DEFAULT_CONFIG_DIR, [p])
 
 
+POOL = [(1 << 62) + 7919 * k for k in range(40)]
+"""Prefix-block hashes the recorded requests share (63-bit: the record must carry them exactly)."""
+
+
 def _request(rng: random.Random, i: int, t: float, rack: str | None) -> RequestEvent:
+    start = rng.randrange(0, 30)
     return RequestEvent(
         request_id=f"req-{i}", version=0, tenant="t", user_id=f"user-{rng.randrange(40)}", model="qwen2-7b",
         in_tokens=rng.randint(10, 3000), out_tokens=100, max_tokens=200,
         mem_est_kb=rng.choice([2e5, 5e5, 1e6, 4e6, 1.2e7, 3e7]), arrival_ms=t, rack=rack,
+        prefix_hashes=tuple(POOL[start:start + rng.randrange(1, 8)]),
     )
+
+
+def _block_events(rng: random.Random, nodes: list[str], t: float) -> list[BlockEvent]:
+    """What the rack's engines reported since the last close: blocks stored, evicted, a node restarted."""
+    out = []
+    for _ in range(rng.randrange(0, 4)):
+        n = rng.choice(nodes)
+        k = rng.randrange(0, 30)
+        out.append(BlockEvent(n, "r0", t, stored=tuple(POOL[k:k + rng.randrange(1, 8)]),
+                              removed=tuple(rng.sample(POOL, rng.randrange(0, 3))), cleared=rng.random() < 0.05))
+    return out
 
 
 def _views(rng: random.Random, nodes: list[str], t: int) -> list[NodeView]:
@@ -60,7 +78,9 @@ def record_run(
     record builders as workers.batcher), passed through the wire codec."""
     rng = random.Random(seed)
     log = DrawLog()
-    window, policies = rack_batcher(config, "r0", log.factory)
+    blocks = BlockIndex()
+    window, policies = rack_batcher(config, "r0", log.factory, blocks=blocks)
+    seen_blocks: list[BlockEvent] = []
     nodes = [n.name for n in config.cluster.racks[0].expanded()]
     router = rack_router(config)
     reqs: list[RequestEvent] = []
@@ -97,6 +117,9 @@ def record_run(
             decisions.append(DecisionEvent("route", "rack_affinity", choices[0], tuple(r.request_id for r in batch),
                                            t, scores, choices=tuple(choices)))
         t += rng.uniform(5, 120)
+        for ev in _block_events(rng, nodes, t):  # the batcher's prefix feed, between closes
+            apply_block_event(blocks, ev)
+            seen_blocks.append(ev)
         views_now = _views(rng, nodes, step)
         if window.close_reason(t, views_now).value in ("empty", "not yet") and step % 3 and (step // 6) % 3 != 2:
             continue
@@ -113,7 +136,9 @@ def record_run(
                                                c.draw, batch_id=f"b{step}", rack="r0", actor="batcher-a"))
         decisions.append(window_record(actor="batcher-a", rack="r0", policy=policies.default, reason="window elapsed",
                                        now_ms=t, nodes=views_now, offered=offered, draws=draws,
-                                       pending_after=outcome.waiting, idle_closes=idle, last_idle_ms=last_idle))
+                                       pending_after=outcome.waiting, idle_closes=idle, last_idle_ms=last_idle,
+                                       blocks=seen_blocks))
+        seen_blocks = []
         offered = []
         idle = 0
         IDLE_SEEN[0] += 1 if decisions[-1].inputs.get("idle_closes") else 0
@@ -123,7 +148,8 @@ def record_run(
 
 
 @pytest.mark.parametrize("policy", ["weighted", "power_of_two", "random", "round_robin", "kv_aware",
-                                    "least_outstanding", "static_weight"])
+                                    "least_outstanding", "static_weight", "work_aware", "llm_d", "dynamo", "sglang",
+                                    "lmetric"])
 def test_replay_with_the_recorded_policy_matches_every_decision(tmp_path: Path, policy: str) -> None:
     config = _config(tmp_path, policy)
     reqs, decisions = record_run(config)

@@ -62,6 +62,20 @@ class EngineStats:
     tokens: int
     swapped_out: int = 0
     """Sequences whose KV the engine moved to a lower tier (L1/L2) to make room."""
+    prefill_tokens: int = 0
+    """Prompt tokens queued and not prefilled yet (waiting sequences' whole prompts, the rest of those prefilling)."""
+    decode_seqs: int = 0
+    decode_tokens: int = 0
+    """KV tokens of the decoding sequences."""
+    kv_usage: float = 0.0
+    """The engine's own KV-cache use, 0..1."""
+    slowdown: float = 1.0
+    """Observed iteration time over the cost model's for the same iterations (1: as the GPU type should run)."""
+    max_seqs: int = 0
+    """Sequences it runs at once (0: not bounded by the engine)."""
+    prefix_hit_tokens: int = 0
+    """Prompt tokens its prefix cache saved since it started (of `prompt_tokens`)."""
+    prompt_tokens: int = 0
 
 
 class Engine(Protocol):

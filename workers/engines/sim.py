@@ -1,14 +1,19 @@
-"""`sim` engine: continuous batching with iteration times from the roofline cost model, placeholder tokens.
+"""`sim` engine: the simulator's engine model (`pipeline.sim.node.SimNode`) run in real time, with placeholder tokens.
 
-Not a mock: it schedules like vLLM (FCFS admission while KV memory and the running limit allow, prefill of new
-sequences in the same iteration as one decode token for the running ones) and takes the time the cost model gives
-for the node's GPU and model. Tokens are deterministic placeholders (a hash of request id and position).
+Not a mock: it is the very engine model the simulator runs, so a live cluster of `sim` workers and `rackflow sim`
+schedule alike. It behaves like vLLM v1: FCFS admission within the iteration's token budget (chunked prefill, 8,192
+tokens counting the decode tokens) while KV blocks and the sequence limit allow, automatic prefix caching in blocks
+of chained prefix hashes with a host-memory tier below it, recompute preemption of the youngest sequence when KV runs
+out; each iteration takes the time the calibrated cost model gives for the node's GPU and model (times an injected
+`slow` factor), slept in real time. Here each decode phase is one step, so that every iteration hands out its tokens.
+Tokens are deterministic placeholders (a hash of request id and position), so a sequence that moves to another sim
+engine continues with the same tokens. The prefix cache's block events (stored / removed) are kept for the worker,
+which publishes them for the batchers' and the router's prefix indexes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +22,7 @@ from pipeline.costmodel import IterationCostModel
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from pipeline.routing.hashring import stable_hash64
+from pipeline.sim.node import SimNode, SimSeq
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 
 _WORDS = (
@@ -40,9 +46,9 @@ def placeholder_token(request_id: str, index: int, vocab: int, seed: int | None 
 @dataclass(slots=True)
 class _Seq:
     req: RequestEvent
+    rid: int
+    seed: int
     generated: int = 0
-    seed: int = -1
-    prefilled: bool = False
     start_ms: float = 0.0
     first_token_ms: float = 0.0
 
@@ -58,22 +64,55 @@ class SimEngine:
         now_ms: Callable[[], float],
         sleep: Callable[[float], object] | None = None,
         zero_time: bool = False,
+        *,
+        block_size: int = 16,
+        max_batched_tokens: int = 8192,
+        prefix_block_tokens: int = 512,
+        host_cache_blocks: int = 0,
     ) -> None:
         self.cost = cost
         self.zero_time = zero_time
         """Iterations take no time: the control plane alone is measured (`rackflow bench pipeline`)."""
-        self.slow_factor = 1.0
-        """An injected `slow` fault: iterations take this many times longer."""
         self.kv_capacity_kb = kv_capacity_kb
         self.max_running = max_running
         self.now_ms = now_ms
         self._sleep = sleep or asyncio.sleep
-        self.waiting: collections.deque[_Seq] = collections.deque()
-        self.running: dict[str, _Seq] = {}
-        self.kv_used_kb = 0.0
-        self._steps: collections.deque[tuple[float, float]] = collections.deque()  # (end wall ms, step ms)
+        m = cost.model
+        total_gb = cost.gpu.memory_gb * cost.tp
+        self.block_events: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        """(stored, removed) prefix-block hashes since the worker last took them."""
+        self.node = SimNode(
+            "sim", "", cost,  # type: ignore[arg-type]
+            kv_capacity_tokens=max(block_size, int(kv_capacity_kb * 1000 // m.kv_bytes_per_token)),
+            block_size=block_size, max_num_seqs=max_running, max_batched_tokens=max_batched_tokens,
+            mem_cap_kb=kv_capacity_kb, vram_total_gb=total_gb, weights_gb=m.weight_bytes / 1e9,
+            kv_bytes_per_token=m.kv_bytes_per_token, prefix_block_tokens=prefix_block_tokens,
+            host_cache_blocks=host_cache_blocks, host_link_gbps=cost.gpu.pcie_gbps / 2 * cost.tp,
+            block_listener=lambda stored, removed: self.block_events.append((stored, removed)),
+            max_stretch_steps=1,
+        )
+        self._seqs: dict[str, _Seq] = {}
+        self._by_rid: dict[int, _Seq] = {}
+        self._next_rid = 0
+        self._stepping = False
+        self._abort_after_step: set[str] = set()
         self.steps = 0
         self.tokens = 0
+        self._recent: list[tuple[float, float]] = []  # (end wall ms, step ms) of the last 10 s
+
+    @property
+    def slow_factor(self) -> float:
+        """An injected `slow` fault: iterations take this many times longer."""
+        return self.node.slow_factor
+
+    @slow_factor.setter
+    def slow_factor(self, factor: float) -> None:
+        self.node.slow_factor = max(1.0, factor)
+
+    @property
+    def kv_used_kb(self) -> float:
+        """What the batcher reserved for the sequences here (its memory estimates)."""
+        return self.node.mem_est_used
 
     async def start(self) -> None:
         return None
@@ -81,20 +120,34 @@ class SimEngine:
     async def stop(self) -> None:
         return None
 
-    def submit(self, req: RequestEvent) -> None:
-        self.waiting.append(_Seq(req))
-
     def _model_id(self) -> str:
         return f"sim:{self.cost.model.layers}x{self.cost.model.hidden}"
 
+    def _add(self, req: RequestEvent, generated: int, resident: bool, start_ms: float = 0.0,
+             first_token_ms: float = 0.0) -> None:
+        if req.request_id in self._seqs:
+            raise EngineError(f"sim engine already holds sequence {req.request_id}")
+        rid = self._next_rid
+        self._next_rid += 1
+        seq = _Seq(req, rid, stable_hash64(req.request_id), generated, start_ms, first_token_ms)
+        self._seqs[req.request_id] = seq
+        self._by_rid[rid] = seq
+        prompt = max(1, req.in_tokens) + generated
+        prefix = req.prefix_hashes if req.prefix_cache else ()
+        self.node.submit(SimSeq(rid, prompt, max(1, req.max_tokens - generated), req.mem_est_kb, prefix,
+                                resident=resident))
+
+    def submit(self, req: RequestEvent) -> None:
+        self._add(req, 0, resident=False)
+
     def export_kv(self, request_id: str, version: int, remove: bool = False) -> KvSnapshot:
         """The sim engine holds no real KV: a snapshot carries the position (and token ids) so another sim engine
-        resumes with the same placeholder tokens."""
-        seq = self.running.get(request_id) or next((s for s in self.waiting if s.req.request_id == request_id), None)
-        if seq is None:
+        resumes with the same placeholder tokens, its KV resident there."""
+        seq = self._seqs.get(request_id)
+        if seq is None or request_id in self._abort_after_step:
             raise EngineError(f"sim engine holds no sequence {request_id}")
         vocab = self.cost.model.vocab
-        generated = tuple(placeholder_token(request_id, i, vocab)[0] for i in range(seq.generated))
+        generated = tuple(placeholder_token(request_id, i, vocab, seq.seed)[0] for i in range(seq.generated))
         snap = KvSnapshot(
             seq_id=request_id, version=version, model=self._model_id(), engine="sim",
             token_ids=generated, prompt_len=seq.req.in_tokens, generated=generated, max_tokens=seq.req.max_tokens,
@@ -108,7 +161,8 @@ class SimEngine:
     def resume_snapshot(
         self, req: RequestEvent, generated: tuple[int, ...], start_ms: float = 0.0, first_token_ms: float = 0.0
     ) -> KvSnapshot:
-        """A snapshot for a sequence that moved here without KV: it continues at token len(generated)."""
+        """A snapshot for a sequence that moved here without KV: it re-prefills prompt + generated and continues
+        at token len(generated)."""
         return KvSnapshot(
             seq_id=req.request_id, version=req.version, model=self._model_id(), engine="sim",
             token_ids=tuple(generated), prompt_len=req.in_tokens, generated=tuple(generated),
@@ -120,96 +174,109 @@ class SimEngine:
             raise EngineError(
                 f"snapshot of {snapshot.engine}/{snapshot.model} cannot resume on sim/{self._model_id()}"
             )
-        seq = _Seq(req, generated=len(snapshot.generated), prefilled=len(snapshot.generated) > 0,
-                   start_ms=float(snapshot.meta.get("start_ms", 0.0)),
-                   first_token_ms=float(snapshot.meta.get("first_token_ms", 0.0)))
-        self.waiting.append(seq)
+        self._add(req, len(snapshot.generated), resident="kv_bytes" in snapshot.meta,
+                  start_ms=float(snapshot.meta.get("start_ms", 0.0)),
+                  first_token_ms=float(snapshot.meta.get("first_token_ms", 0.0)))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return len(self._seqs) > len(self._abort_after_step)
 
     def abort(self, request_id: str) -> bool:
-        seq = self.running.pop(request_id, None)
-        if seq is not None:
-            self.kv_used_kb -= seq.req.mem_est_kb
+        seq = self._seqs.get(request_id)
+        if seq is None or request_id in self._abort_after_step:
+            return False
+        if self._stepping:  # the iteration in progress still holds it: it gets no token and goes after the step
+            self._abort_after_step.add(request_id)
             return True
-        for s in list(self.waiting):
-            if s.req.request_id == request_id:
-                self.waiting.remove(s)
-                return True
-        return False
+        self._drop(seq)
+        return True
 
-    def _admit(self, now: float) -> list[_Seq]:
-        admitted = []
-        while self.waiting and len(self.running) < self.max_running:
-            head = self.waiting[0]
-            fits = self.kv_used_kb + head.req.mem_est_kb <= self.kv_capacity_kb
-            if not fits and self.running:
-                break  # FCFS: wait for memory instead of letting smaller ones overtake forever
-            self.waiting.popleft()
-            if not head.start_ms:
-                head.start_ms = now
-            self.running[head.req.request_id] = head
-            self.kv_used_kb += head.req.mem_est_kb
-            admitted.append(head)
-        return admitted
+    def _drop(self, seq: _Seq) -> None:
+        self.node.abort(seq.rid)
+        del self._seqs[seq.req.request_id]
+        del self._by_rid[seq.rid]
 
     async def step(self) -> StepOutput:
+        node = self.node
         t0 = self.now_ms()
         wall0 = time.perf_counter()
-        # decoding: what ran before this step (a resumed sequence admitted now is prefilled already, and must not
-        # be in both lists: it would make two tokens in one step, and crash the loop when it finishes)
-        decoding = [s for s in self.running.values() if s.prefilled]
-        new = self._admit(t0)
-        kv_tokens = sum(s.req.in_tokens + s.generated for s in decoding)
-        step_ms = self.cost.step_ms([s.req.in_tokens for s in new], len(decoding), kv_tokens) * self.slow_factor
-        # Sleep the remainder of the iteration time not already spent on our own bookkeeping.
-        spent = (time.perf_counter() - wall0) * 1000.0
-        if self.zero_time:
-            await asyncio.sleep(0)  # yield to the worker's other tasks, take no simulated time
-        else:
-            await self._sleep(max(0.0, step_ms - spent) / 1000.0)  # type: ignore[misc]
-        end = self.now_ms()
+        end = node.schedule(t0)
+        if end is None:
+            return StepOutput((), (), 0.0)
+        decoding = list(node.decoding)  # they get a token from this iteration, whatever it also prefills
+        self._stepping = True
+        try:
+            if self.zero_time:
+                await asyncio.sleep(0)  # yield to the worker's other tasks, take no simulated time
+            else:
+                spent = (time.perf_counter() - wall0) * 1000.0
+                await self._sleep(max(0.0, end - t0 - spent) / 1000.0)  # type: ignore[misc]
+        finally:
+            self._stepping = False
+        now = t0 if self.zero_time else max(end, self.now_ms())
+        res = node.finish_phase(now)
+        gone = self._abort_after_step
         tokens: list[TokenOut] = []
-        finished: list[SeqFinished] = []
         vocab = self.cost.model.vocab
-        for s in [*decoding, *new]:
-            if self.running.get(s.req.request_id) is not s:
-                continue  # aborted (cancelled, released) while this step ran: no token, and it is not ours to end
-            if s.seed < 0:
-                s.seed = stable_hash64(s.req.request_id)
-            tid, text = placeholder_token(s.req.request_id, s.generated, vocab, s.seed)
-            tokens.append(TokenOut(s.req.request_id, s.generated, tid, text))
-            if s.generated == 0:
-                s.first_token_ms = end
-                s.prefilled = True
-            s.generated += 1
-            if s.generated >= s.req.max_tokens:
-                del self.running[s.req.request_id]
-                self.kv_used_kb -= s.req.mem_est_kb
-                finished.append(SeqFinished(s.req.request_id, s.generated, s.start_ms, s.first_token_ms, end))
+        for rid in (*decoding, *(r for r, _ in res.first_tokens)):
+            seq = self._by_rid.get(rid)
+            if seq is None or seq.req.request_id in gone:
+                continue
+            tid, text = placeholder_token(seq.req.request_id, seq.generated, vocab, seq.seed)
+            tokens.append(TokenOut(seq.req.request_id, seq.generated, tid, text))
+            if seq.generated == 0:
+                seq.first_token_ms = now
+            if not seq.start_ms:
+                seq.start_ms = t0
+            seq.generated += 1
+        finished: list[SeqFinished] = []
+        for f in res.finished:
+            seq = self._by_rid.get(f.rid)
+            if seq is None:
+                continue
+            del self._seqs[seq.req.request_id]
+            del self._by_rid[seq.rid]
+            if seq.req.request_id in gone:
+                gone.discard(seq.req.request_id)
+                continue
+            finished.append(SeqFinished(seq.req.request_id, seq.generated, seq.start_ms, seq.first_token_ms, now))
+        for request_id in list(gone):
+            seq = self._seqs.get(request_id)
+            if seq is not None:
+                self._drop(seq)
+        gone.clear()
         self.steps += 1
         self.tokens += len(tokens)
-        actual = end - t0
-        self._steps.append((end, actual))
-        while self._steps and self._steps[0][0] < end - 10_000:
-            self._steps.popleft()
+        actual = now - t0
+        self._recent.append((now, actual))
+        if len(self._recent) > 64 and self._recent[0][0] < now - 10_000:
+            self._recent = [x for x in self._recent if x[0] >= now - 10_000]
         return StepOutput(tuple(tokens), tuple(finished), actual)
 
+    def take_block_events(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        out, self.block_events = self.block_events, []
+        return out
+
     def stats(self) -> EngineStats:
-        m = self.cost.model
-        total_gb = self.cost.gpu.memory_gb * self.cost.tp
-        kv_bytes = sum((s.req.in_tokens + s.generated) * m.kv_bytes_per_token for s in self.running.values())
-        free_gb = max(0.0, total_gb - m.weight_bytes / 1e9 - kv_bytes / 1e9)
-        avg = sum(ms for _, ms in self._steps) / len(self._steps) if self._steps else 0.0
+        node = self.node
+        now = self.now_ms()
+        recent = [ms for t, ms in self._recent if t >= now - 10_000]
         return EngineStats(
-            running=len(self.running),
-            waiting=len(self.waiting),
+            running=node.running,
+            waiting=len(node.waiting),
             kv_capacity_kb=self.kv_capacity_kb,
-            kv_used_kb=self.kv_used_kb,
-            gpu_mem_total_gb=total_gb,
-            gpu_mem_free_gb=free_gb,
-            avg_step_ms=avg,
+            kv_used_kb=node.mem_est_used,
+            gpu_mem_total_gb=node.vram_total_gb,
+            gpu_mem_free_gb=node.free_vram_gb(),
+            avg_step_ms=sum(recent) / len(recent) if recent else 0.0,
             steps=self.steps,
             tokens=self.tokens,
+            prefill_tokens=node.prefill_backlog,
+            decode_seqs=len(node.decoding),
+            decode_tokens=node.kv_decoding,
+            kv_usage=node.kv_usage,
+            slowdown=node.slowdown,
+            max_seqs=node.max_num_seqs,
+            prefix_hit_tokens=node.cached_tokens,
+            prompt_tokens=node.prompt_tokens,
         )

@@ -1,0 +1,102 @@
+"""The batcher's window as configured by default: it closes as soon as a node can start a waiting request, never
+sends a node more sequences than it runs, lets a request wait for the node its prefix is cached on, and, with late
+binding, keeps the queue in the batcher instead of in one engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.batching.ledger import ReservationLedger
+from pipeline.batching.window import CloseReason, WindowBatcher
+from pipeline.config import BatcherPolicy
+from pipeline.routing.prefix_index import BlockIndex
+from pipeline.routing.registry import NodePolicySet, PolicyContext
+from tests.unit.builders import node_selection, node_view, pending, request
+
+
+def batcher(policy: str = "work_aware", blocks: BlockIndex | None = None, caps: float = 1e6,
+            nodes: tuple[str, ...] = ("a", "b"), **bp: Any) -> WindowBatcher:
+    ctx = PolicyContext(block_tokens=16, blocks=blocks if blocks is not None else BlockIndex())
+    pols = NodePolicySet(node_selection(policy=policy), 0, "r0", {}, 16, context=ctx)
+    return WindowBatcher(BatcherPolicy(**bp), pols, {n: caps for n in nodes})
+
+
+def test_a_window_closes_at_once_when_a_busy_node_still_has_room() -> None:
+    b = batcher()
+    b.offer(pending(request(mem_est_kb=10.0), enqueued_ms=0.0))
+    busy = [node_view("a", running=3, kv_free_kb=100.0), node_view("b", running=2, kv_free_kb=100.0)]
+    assert b.close_reason(1.0, busy) is CloseReason.ROOM
+    full = [node_view("a", running=3, kv_free_kb=5.0), node_view("b", running=2, kv_free_kb=5.0)]
+    assert b.close_reason(1.0, full) is not CloseReason.ROOM  # no node can take it now
+    assert batcher(close_when_room=False).close_reason(1.0, busy) is not CloseReason.ROOM
+
+
+def test_a_node_running_its_most_sequences_takes_one_more_then_nothing() -> None:
+    b = batcher(policy="least_outstanding")
+    for i in range(4):
+        b.offer(pending(request(request_id=f"q{i}", mem_est_kb=1.0)))
+    nodes = [node_view("a", max_seqs=4, running=4, waiting=0, kv_free_kb=1e6),
+             node_view("b", max_seqs=4, running=3, waiting=1, kv_free_kb=1e6)]
+    out = b.close(1.0, nodes)
+    placed = {plan.node: len(plan.requests) for plan in out.plans}
+    assert placed == {"a": 1, "b": 1} and out.waiting == 2  # one queued behind each full engine, the rest here
+
+
+def test_a_request_waits_in_the_batcher_for_the_node_holding_its_prefix() -> None:
+    blocks = BlockIndex()
+    hashes = tuple(range(64))
+    blocks.stored("a", hashes)  # 64 x 16 = 1,024 tokens cached on a
+    b = batcher(blocks=blocks)
+    r = request(request_id="q", in_tokens=1024, out_tokens=10, mem_est_kb=1.0, prefix_hashes=hashes)
+    b.offer(pending(r, enqueued_ms=0.0))
+    # a has no slot now, b has room but would prefill 1,024 tokens and is busy prefilling: q waits for a
+    nodes = [node_view("a", max_seqs=2, running=2, waiting=1, kv_free_kb=1e6),
+             node_view("b", prefill_tokens=4096, kv_free_kb=1e6)]
+    out = b.close(1.0, nodes)
+    assert out.plans == () and out.waiting == 1
+    # a frees a slot: q goes there
+    nodes[0] = node_view("a", max_seqs=2, running=1, kv_free_kb=1e6)
+    out = b.close(2.0, nodes)
+    assert [(plan.node, len(plan.requests)) for plan in out.plans] == [("a", 1)]
+
+
+def test_a_waiting_request_never_leaves_an_idle_node_idle_and_gives_up_after_max_wait() -> None:
+    blocks = BlockIndex()
+    hashes = tuple(range(64))
+    blocks.stored("a", hashes)
+    r = request(request_id="q", in_tokens=1024, out_tokens=10, mem_est_kb=1.0, prefix_hashes=hashes)
+    full_a = node_view("a", max_seqs=2, running=2, waiting=1, kv_free_kb=1e6)
+    b = batcher(blocks=blocks)
+    b.offer(pending(r, enqueued_ms=0.0))
+    out = b.close(1.0, [full_a, node_view("b", kv_free_kb=1e6)])  # b is idle: take it
+    assert [plan.node for plan in out.plans] == ["b"]
+    b = batcher(blocks=blocks)
+    b.offer(pending(r, enqueued_ms=0.0))
+    busy_b = node_view("b", prefill_tokens=4096, kv_free_kb=1e6)
+    assert b.close(1.0, [full_a, busy_b]).waiting == 1
+    out = b.close(30_000.0, [full_a, busy_b])  # past max_wait_ms (20 s): wherever there is room
+    assert [plan.node for plan in out.plans] == ["b"]
+
+
+def test_late_binding_holds_requests_while_every_node_has_its_prefill_horizon_queued() -> None:
+    b = batcher(policy="least_outstanding", late_binding="all", max_queued_prefill_tokens=1000)
+    for i in range(3):
+        b.offer(pending(request(request_id=f"q{i}", in_tokens=600, mem_est_kb=1.0)))
+    nodes = [node_view("a", prefill_tokens=1200, kv_free_kb=1e6), node_view("b", prefill_tokens=0, kv_free_kb=1e6)]
+    assert b.close_reason(1.0, nodes) is CloseReason.NODE_IDLE
+    out = b.close(1.0, nodes)
+    # b takes two (0 + 600 < 1000, then 1200 >= 1000: no more); a is over its horizon; one waits here
+    assert [(plan.node, len(plan.requests)) for plan in out.plans] == [("b", 2)] and out.waiting == 1
+    # the same without late binding: everything goes out at once
+    eager = batcher(policy="least_outstanding", late_binding="none", max_queued_prefill_tokens=1000)
+    for i in range(3):
+        eager.offer(pending(request(request_id=f"q{i}", in_tokens=600, mem_est_kb=1.0)))
+    assert eager.close(1.0, nodes).waiting == 0
+
+
+def test_reservations_in_flight_count_their_prompts_as_queued_prefill() -> None:
+    ledger = ReservationLedger()
+    ledger.record("a", "5-0", 100.0, 2, 3000)
+    v = ledger.apply(node_view("a", kv_free_kb=1000.0, prefill_tokens=500), last_admitted="4-0")
+    assert (v.kv_free_kb, v.waiting, v.prefill_tokens) == (900.0, 2, 3500)
+    assert ledger.apply(node_view("a", prefill_tokens=500), last_admitted="5-0").prefill_tokens == 500
