@@ -224,8 +224,9 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
 
 
 TABLE_KEYS = ("completed", "dropped", "p50_ms", "p95_ms", "p99_ms", "ttft_p99_ms", "small_ttft_p95_ms",
-              "throughput_rps", "node_p95_std_ms", "mean_gpu_mem_util", "mean_kv_util", "mean_concurrency",
-              "preemptions", "migrations", "prefix_hit_rate", "sim_wall_s")
+              "throughput_rps", "node_p95_std_ms", "mean_gpu_mem_util", "mean_kv_util", "kv_util_peak",
+              "mean_concurrency", "preemptions", "preempted_frac", "migrations", "prefix_hit_rate", "shed",
+              "sim_wall_s")
 
 
 def format_table(rows: dict[str, dict[str, Any]], keys: Sequence[str] = TABLE_KEYS) -> str:
