@@ -155,42 +155,60 @@ def bench_profile(config_dir: Path, overrides: list[Path], tokens: int = 8000, i
 def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8) -> dict[str, Any]:
     import random
 
-    from pipeline.config import NodeSelectionPolicy, PrefixCacheRule, RouterPolicy
+    from pipeline.config import NodeSelectionPolicy, PrefixCacheRule, RouterPolicy, load_config
+    from pipeline.costmodel import CalibratedCostModel
     from pipeline.events import RequestEvent
-    from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache
-    from pipeline.routing.registry import NODE_POLICIES, NodePolicySet
+    from pipeline.routing.prefix_index import BlockIndex
+    from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache, rack_cached_tokens
+    from pipeline.routing.registry import NODE_POLICIES, NodePolicySet, PolicyContext
     from pipeline.routing.views import NodeView, RackView
 
     rng = random.Random(7)
     rack_names = [f"r{i}" for i in range(racks)]
     rp = RouterPolicy()
-    router = RackAffinityRouter({"m": rack_names}, rp.virtual_nodes, rp.load_bound, rp.load_slack)
+    router = RackAffinityRouter.from_config({"m": rack_names}, rp)
     rule = PrefixCacheRule()
-    views = {r: RackView(r, True, float(rng.randint(0, 50))) for r in rack_names}
+    views = {r: RackView(r, True, float(rng.randint(0, 50)), float(rng.randint(0, 400_000)), nodes_per_rack)
+             for r in rack_names}
     nodes = {
         r: [
             NodeView(f"{r}-n{j}", True, 80.0, rng.uniform(5, 60), rng.uniform(0, 60), rng.uniform(5, 40),
-                     72e6, rng.uniform(1e6, 70e6), rng.randint(0, 64), rng.randint(0, 8))
+                     72e6, rng.uniform(1e6, 70e6), rng.randint(0, 64), rng.randint(0, 8),
+                     prefill_tokens=rng.randint(0, 20_000), decode_seqs=rng.randint(0, 64),
+                     decode_tokens=rng.randint(0, 400_000), kv_usage=rng.uniform(0, 0.9), max_seqs=256)
             for j in range(nodes_per_rack)
         ]
         for r in rack_names
     }
+    cfg = load_config()
+    cost = CalibratedCostModel.for_node(cfg, cfg.nodes()[0])  # every node: an H100 serving Qwen2-7B
+    blocks = BlockIndex()  # what the nodes' block events would have reported: a pool of shared prefixes
+    pool = [tuple(rng.randrange(1 << 40) for _ in range(8)) for _ in range(200)]
+    node_rack = {n.name: r for r in rack_names for n in nodes[r]}
+    for prefix in pool:
+        for n in rng.sample(sorted(node_rack), 2):
+            blocks.stored(n, prefix[: rng.randint(1, 8)])
     reqs = [
         RequestEvent(f"q{i}", 1, "t", f"user-{rng.randrange(5000)}", "m", rng.randint(10, 4000), 200, 200, 1.0, 0.0,
-                     prefix_hashes=tuple(rng.randrange(1 << 40) for _ in range(rng.randint(0, 8))))
+                     prefix_hashes=rng.choice(pool)[: rng.randint(0, 8)])
         for i in range(2000)
     ]
     out: dict[str, Any] = {"racks": racks, "nodes": racks * nodes_per_rack, "iterations": iterations}
     per_policy = {}
     for name in sorted(NODE_POLICIES):
         params = NodeSelectionPolicy(policy=name)  # type: ignore[arg-type]
-        sets = {r: NodePolicySet(params, 1, r, {n.name: "h100-80gb" for n in nodes[r]}, 512) for r in rack_names}
+        sets = {r: NodePolicySet(params, 1, r, {n.name: "h100-80gb" for n in nodes[r]}, 512,
+                                 context=PolicyContext(node_gpus={n.name: "h100-80gb" for n in nodes[r]},
+                                                       block_tokens=512, cost_of=lambda _n: cost, blocks=blocks,
+                                                       node_blocks=2000))
+                for r in rack_names}
         samples = []
         t_all = time.perf_counter()
         for i in range(iterations):
             q = reqs[i % len(reqs)]
             t = time.perf_counter()
-            d = router.route(q.user_id, q.model, views)
+            cached = rack_cached_tokens(blocks.matches(q.prefix_hashes), node_rack, 512, q.in_tokens)
+            d = router.route(q.user_id, q.model, views, cached)
             keeps_prefix_cache(rule.enabled, rule.min_tokens, q.in_tokens, d, True)
             pol = sets[d.rack or rack_names[0]].get(name)
             ch = pol.choose(nodes[d.rack or rack_names[0]], q)

@@ -264,6 +264,16 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def trace_label(path: str) -> str:
+    """A short name of a trace file for tables and plots: `azure-conv`, `azure-code`, `mooncake-fast25`, ..."""
+    p = Path(path)
+    if p.stem.startswith("AzureLLMInferenceTrace_"):
+        return "azure-" + p.stem.removeprefix("AzureLLMInferenceTrace_")
+    if p.stem in ("synthetic_trace", "trace", "data"):
+        return p.parent.name
+    return p.stem
+
+
 def worst_ratio(cell: dict[str, Any], policy: str) -> tuple[float, float, float]:
     """The policy's P99 TTFT and end-to-end latency over the cell's best, and the best throughput over its own."""
     pols = cell["policies"]
@@ -286,7 +296,7 @@ def format_matrix(d: dict[str, Any]) -> str:
         r = worst_ratio(c, dflt)
         b = c["best"]
         lines.append(
-            f"{Path(c['trace']).name[:25]:<26}{c['load']:>5.1f} {c['state']:<8}{c['capacity_rps']:>8.1f}  "
+            f"{trace_label(c['trace'])[:25]:<26}{c['load']:>5.1f} {c['state']:<8}{c['capacity_rps']:>8.1f}  "
             f"{b['p99_ttft_ms'][:14]:<14}{pols[b['p99_ttft_ms']]['p99_ttft_ms']:>10.0f}  x{r[0]:>6.2f}  "
             f"{b['p99_ms'][:14]:<14}{pols[b['p99_ms']]['p99_ms']:>10.0f}  x{r[1]:>6.2f}  "
             f"{b['throughput_rps'][:14]:<14}{pols[b['throughput_rps']]['throughput_rps']:>8.2f}  x{r[2]:>6.3f}  "
@@ -311,7 +321,7 @@ def plot_matrix(d: dict[str, Any], out: Path) -> list[str]:
         vals = [c["policies"][p]["p99_ttft_ms"] / 1000.0 for p in pols]
         colors = ["tab:red" if p == dflt else "tab:gray" for p in pols]
         ax.bar(range(len(pols)), vals, color=colors)
-        ax.set_title(f"{Path(c['trace']).stem[:18]}\n{c['load']}x, {c['state']}", fontsize=7)
+        ax.set_title(f"{trace_label(c['trace'])[:22]}\n{c['load']}x, {c['state']}", fontsize=7)
         ax.set_xticks(range(len(pols)), pols, rotation=90, fontsize=5)
         ax.tick_params(axis="y", labelsize=6)
         ax.set_ylabel("P99 TTFT (s)", fontsize=6)
@@ -332,10 +342,10 @@ def plot_matrix(d: dict[str, Any], out: Path) -> list[str]:
                    for c in cells if c["trace"] == tr and c["state"] == "healthy"]
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker=markers[i % len(markers)],
                     linewidth=2.2 if p == dflt else 0.8, color="tab:red" if p == dflt else None, label=p)
-        ax.set_xlabel("steady throughput (req/s)")
+        ax.set_xlabel("throughput: completed over the arrival span (req/s)")
         ax.set_ylabel("P99 end-to-end (s)")
         ax.set_yscale("log")
-        ax.set_title(f"{Path(tr).stem[:30]} (healthy, loads {', '.join(str(x) for x in d['loads'])})", fontsize=8)
+        ax.set_title(f"{trace_label(tr)[:30]} (healthy, loads {', '.join(str(x) for x in d['loads'])})", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6)
     fig.tight_layout()

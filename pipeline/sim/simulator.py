@@ -190,7 +190,11 @@ class Simulator:
         self._done_at: deque[float] = deque()
         self._first_done = 0.0
         self._queued_since: dict[str, float] = {}
-        """Per rack, since when it has had a queue (as the gateway sees it at its arrivals)."""
+        """Per rack, since when it has had a queue (as the gateway sees it at its reads)."""
+        self._gw_at = -math.inf
+        self._gw_refresh_ms = float(config.gateway.saturation_refresh_ms)
+        self._gw_queued: dict[str, int] = {}
+        self._gw_views: dict[str, RackView] = {}
         self.shed = 0
         self.scorer = HealthScorer(pol.health)
         for name in self.node_index:  # the agents' first (clean) samples: later counters are compared to them
@@ -335,18 +339,37 @@ class Simulator:
         rack.batcher.offer(PendingRequest(req, str(rid), now))
         self._try_close(rack, now)
 
+    def _gateway_views(self, now: float) -> tuple[dict[str, int], dict[str, RackView]]:
+        """The racks' queues as the gateway reads them: at most every `gateway.saturation_refresh_ms`, the same
+        figures in between (batcher backlog + requests waiting in the engines; load = that + running)."""
+        if now - self._gw_at < self._gw_refresh_ms:
+            return self._gw_queued, self._gw_views
+        self._gw_at = now
+        queued: dict[str, int] = {}
+        views: dict[str, RackView] = {}
+        for name, rack in self.racks.items():
+            waiting = running = 0
+            for i in rack.nodes:
+                n = self.nodes[i]
+                waiting += len(n.waiting)
+                running += len(n.prefilling) + len(n.decoding)
+            queued[name] = rack.batcher.pending_count + waiting
+            views[name] = RackView(name, self.rack_views[name].healthy, float(queued[name] + running))
+        since = self._queued_since
+        for name, q in queued.items():
+            if q <= 0:
+                since.pop(name, None)
+            else:
+                since.setdefault(name, now)
+        self._gw_queued, self._gw_views = queued, views
+        return queued, views
+
     def _admit(self, user: str, model: str, now: float) -> bool:
         """The gateway's admission (pipeline.admission): the rack it predicts for the request, that rack's queue
         (batcher backlog + requests waiting in its engines) and the cluster's completion rate of the last 3 s, one
         share of it per rack."""
         assert self.admission is not None
-        queued: dict[str, int] = {}
-        views: dict[str, RackView] = {}
-        for name, rack in self.racks.items():
-            waiting = sum(len(self.nodes[i].waiting) for i in rack.nodes)
-            running = sum(self.nodes[i].running for i in rack.nodes)
-            queued[name] = rack.batcher.pending_count + waiting
-            views[name] = RackView(name, self.rack_views[name].healthy, float(queued[name] + running))
+        queued, views = self._gateway_views(now)
         target = self.gateway_router.route(user, model, views).rack
         if target is None:
             return True  # the router answers it (no healthy rack)
@@ -358,11 +381,6 @@ class Simulator:
         if len(done) >= 2 and span > 0:
             rate = len(done) * 1000.0 / span / max(1, len(self.racks))
         since = self._queued_since
-        for name, q in queued.items():
-            if q <= 0:
-                since.pop(name, None)
-            else:
-                since.setdefault(name, now)
         queued_for = (now - since[target]) / 1000.0 if target in since else 0.0
         return self.admission.decide(queued[target], rate, queued_for).admit
 

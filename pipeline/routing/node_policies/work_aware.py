@@ -96,13 +96,16 @@ class WorkAware:
         u = req.in_tokens - hit
         s = max(1.0, v.slowdown) if p.use_slowdown else 1.0
         d, k = v.decode_seqs, v.decode_tokens
-        ttft = s * self.prefill_ms(cost, v.prefill_tokens + u, d, k, hit)
+        queued = v.prefill_tokens + u
+        prefill = self.prefill_ms(cost, queued, d, k, hit)
+        ttft = s * prefill
         total = ttft
         if p.e2e_weight and req.out_tokens > 1:
             total += p.e2e_weight * (req.out_tokens - 1) * s * cost.step_ms([], d + 1, k + req.in_tokens)
         behind = d + p.queue_weight * v.waiting
         if p.others_weight and behind and u:
-            total += p.others_weight * behind * s * cost.step_ms([u], 0, 0, [hit])
+            # the request's own share of that prefill: what its chunks add to the decoders' iterations
+            total += p.others_weight * behind * s * prefill * (u / queued)
         link = max(0.05, 1.0 - v.pcie_util_pct / 100.0)
         total /= link
         if p.kv_weight_ms and v.kv_capacity_kb > 0:
