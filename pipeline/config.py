@@ -364,19 +364,37 @@ class TorchEngineConfig(_Strict):
 
 class VllmEngineConfig(_Strict):
     model: str | None = None
-    """Local model directory or Hugging Face id for vLLM (required to run the vllm engine)."""
+    """Local Hugging Face checkpoint directory vLLM serves (required; `rackflow up --engine vllm --model-dir DIR`
+    sets it). Nothing is downloaded."""
     tensor_parallel_size: int | None = Field(default=None, ge=1, le=64)
-    """Default: the node's `tp`."""
+    """Default: the node's `tp` (1 on vLLM's CPU build)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and KV dtype (auto: the checkpoint's)."""
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    """vLLM's share of GPU memory for weights + KV cache."""
+    """vLLM's share of GPU memory for weights + KV cache (GPU only)."""
+    cpu_kvcache_space_gb: float = Field(default=1.0, gt=0, le=1e5)
+    """KV-cache size on vLLM's CPU build, GiB (its VLLM_CPU_KVCACHE_SPACE; a value already in the environment
+    wins)."""
     max_model_len: int | None = Field(default=None, ge=16, le=10_000_000)
     """Context limit (default: the model's)."""
+    max_num_seqs: int = Field(default=64, ge=1, le=8192)
+    """Sequences vLLM runs at once."""
+    block_size: int | None = Field(default=None, ge=1, le=4096)
+    """Tokens per KV block (default: vLLM's for the platform: 16 on a GPU, 128 on the CPU build)."""
+    enforce_eager: bool | None = None
+    """Eager mode, no CUDA graphs or torch.compile (default: on for the CPU build, off on a GPU)."""
     enable_prefix_caching: bool = True
     """vLLM's automatic prefix caching (a request with prefix_cache=false gets its own cache salt)."""
-    kv_connector: Literal["OffloadingConnector", "LMCacheConnectorV1"] | None = "OffloadingConnector"
-    """KV offloading to CPU memory (L1) through vLLM's KV-connector interface; None disables it."""
+    ignore_eos: bool = False
+    """Run every sequence to max_tokens even past the end-of-sequence token (benchmarks)."""
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    kv_connector: Literal["auto", "OffloadingConnector", "LMCacheConnectorV1"] | None = "auto"
+    """KV offloading to CPU memory (L1) through vLLM's KV-connector interface; auto: OffloadingConnector on a GPU,
+    none on the CPU build (which refuses it); None disables it."""
     cpu_offload_gb: float = Field(default=16.0, ge=0, le=1e6)
-    """CPU memory for offloaded KV blocks."""
+    """CPU memory for offloaded KV blocks (OffloadingConnector's cpu_bytes_to_use)."""
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Passed through to vLLM's AsyncEngineArgs as they are."""
 
 
 class KvTierConfig(_Strict):
@@ -403,6 +421,11 @@ class WorkerPolicy(_Strict):
     """`sim` engine: iterations take no time (measures the control plane alone, `rackflow bench pipeline`)."""
     token_flush_ms: int = Field(default=50, ge=0, le=10_000)
     """Tokens generated within this interval are sent to the client stream as one entry (0: every step)."""
+    lease_ttl_s: int = Field(default=3, ge=1, le=600)
+    """TTL of the worker's etcd registration lease (refreshed every third of it): a worker that misses it is taken
+    for dead and its sequences move. 3 s detects a kill -9 fast on a dedicated host; a CPU-only machine whose cores
+    run vLLM's CPU build at full load needs more (measured on 2 cores: leases of two decoding vLLM workers expired
+    at 3 s, and healthy nodes were marked dead)."""
     status_interval_ms: int = Field(default=200, ge=10, le=60_000)
     """How often the worker publishes its live status (HealthEvent + status hash)."""
     max_running: int = Field(default=256, ge=1, le=100_000)
@@ -449,6 +472,10 @@ class HealthWeights(_Strict):
 class HealthPolicy(_Strict):
     weights: HealthWeights = HealthWeights()
     """Penalty weights."""
+    agent_heartbeat_ttl_s: int = Field(default=2, ge=1, le=600)
+    """TTL of a health agent's etcd heartbeat lease (refreshed every half of it): a node whose agent misses it is
+    drained. 2 s is for dedicated hosts; a CPU-only machine whose cores also run the engines (vLLM's CPU build
+    loading two workers on 2 cores) needs more, or the agents starve past it and healthy nodes are drained."""
     drain_below: float = Field(default=0.5, ge=0, le=1)
     """A node whose score falls below this is drained (no new work; live sequences migrate)."""
     recover_above: float = Field(default=0.8, ge=0, le=1)

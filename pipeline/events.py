@@ -173,6 +173,12 @@ class HealthEvent:
     """Prompt tokens the engine's prefix cache saved since it started."""
     prompt_tokens: int = 0
     """Prompt tokens the engine admitted since it started."""
+    kv_blocks_total: int = 0
+    """Paged KV blocks the engine allocated (vLLM's num_gpu_blocks; 0: the engine is not paged)."""
+    kv_blocks_free: int = 0
+    """Of those, blocks free now."""
+    kv_block_tokens: int = 0
+    """Tokens per KV block."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,10 +228,11 @@ class HealthAgent:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Sample and publish until `stop`; 0 on a clean stop, 2 when NVML is not available here."""
+        ttl = self.config.policies.health.agent_heartbeat_ttl_s
         heartbeat = AgentHeartbeat(self.etcd_url, self.node, {
             "node": self.node, "rack": self.rack, "source": self.source_name, "pid": os.getpid(),
             "since": WALL.now_ms(),
-        })
+        }, ttl_s=ttl, refresh_s=min(HEARTBEAT_REFRESH_S, ttl / 2))
         self.heartbeat = heartbeat
         r = connect(self.redis_url)
         try:

@@ -404,6 +404,47 @@ def _flower_port(requested: int | None) -> int:
     return port
 
 
+DEFAULT_VLLM_CHECKPOINT = Path(".cache") / "tiny-qwen2-vllm"
+
+
+def _add_vllm_overlay(args: argparse.Namespace, state_dir: Path) -> None:
+    """`--engine vllm`: serve `--model-dir` (default: the tiny test checkpoint, made here if missing) under its
+    directory's name, through a config overlay every role reads. Without `--config`, the cluster is one rack of
+    `--nodes` vLLM workers (2 by default: a CPU-only host runs vLLM's CPU build)."""
+    from workers.engines.checkpoint import served_name, vllm_overlay, write_tiny_checkpoint
+
+    model_dir = Path(args.model_dir) if getattr(args, "model_dir", None) else None
+    if model_dir is None:
+        model_dir = DEFAULT_VLLM_CHECKPOINT
+        if not (model_dir / "config.json").exists():
+            print(f"rackflow up: no --model-dir: writing the tiny random-weight test checkpoint to {model_dir}",
+                  flush=True)
+            write_tiny_checkpoint(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"rackflow up: --model-dir {model_dir} has no config.json (a Hugging Face checkpoint "
+                         "directory is needed; nothing is downloaded)")
+    name = getattr(args, "served_model_name", None) or served_name(model_dir)
+    racks = None
+    if not args.config or getattr(args, "nodes", None):
+        racks = [{"name": "r0", "node_count": getattr(args, "nodes", None) or 2,
+                  "node": {"gpu": "h100-80gb", "tp": 1}}]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / "vllm-overlay.yaml"
+    import shutil
+
+    import yaml
+
+    overlay = vllm_overlay(model_dir, name, racks)
+    if shutil.which("nvidia-smi") is None:
+        # a CPU-only host: vLLM's CPU build shares the cores with the health agents and the workers' own etcd
+        # leases, which expire at 2-3 s while the workers load or decode (the monitor would drain healthy nodes)
+        overlay["policies"]["health"] = {"agent_heartbeat_ttl_s": 15}  # type: ignore[index]
+        overlay["policies"]["worker"]["lease_ttl_s"] = 15  # type: ignore[index]
+    path.write_text(yaml.safe_dump(overlay))
+    args.config = [*args.config, str(path)]
+    print(f"rackflow up: vllm serves {model_dir.resolve()} as model {name!r} (overlay {path})", flush=True)
+
+
 class _LocalCluster:
     """Services (unless URLs are given) + role processes, stopped in reverse order."""
 
@@ -412,6 +453,8 @@ class _LocalCluster:
         from workers.services import EmbeddedServices, resolve_endpoints
 
         self.args = args
+        if getattr(args, "engine", None) == "vllm":
+            _add_vllm_overlay(args, state_dir)
         self.config = _config(args)
         flower = _flower_port(getattr(args, "flower_port", None)) if with_failover else None  # before any start
         self.services: EmbeddedServices | None = None
@@ -523,6 +566,49 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engines(args: argparse.Namespace) -> int:
+    import importlib.util
+    import os
+
+    from workers.launcher import vllm_python
+
+    if importlib.util.find_spec("vllm") is None:  # vLLM lives in .venv-vllm: run there
+        try:
+            python = vllm_python()
+        except RuntimeError as e:
+            print(f"rackflow bench engines: {e}", file=sys.stderr)
+            return 2
+        os.execv(python, [python, "-m", "workers.cli", *sys.argv[1:]])
+    from workers.bench import _print
+    from workers.bench_engines import bench_engines
+    from workers.engines.checkpoint import write_tiny_checkpoint
+
+    model_dir = Path(args.model_dir) if args.model_dir else write_tiny_checkpoint(DEFAULT_VLLM_CHECKPOINT)
+    res = bench_engines(model_dir, repeats=args.repeats, tokens=args.bench_tokens, progress=not args.no_progress)
+    _print(res, args.json)
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from workers.engines.checkpoint import model_spec, served_name, write_tiny_checkpoint
+
+    if args.action == "tiny":
+        print(write_tiny_checkpoint(Path(args.out)))
+        return 0
+    if not args.dir:
+        print("rackflow model spec: give the checkpoint directory: rackflow model spec DIR", file=sys.stderr)
+        return 2
+    try:
+        spec = model_spec(Path(args.dir))
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        print(f"rackflow model spec: {e}", file=sys.stderr)
+        return 2
+    import yaml
+
+    print(yaml.safe_dump({served_name(Path(args.dir)): spec}, sort_keys=False), end="")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from workers.demo import DemoRun, dump_json, format_report, write_plot
 
@@ -622,6 +708,9 @@ def cmd_perf(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench import run_bench
+
+    if args.what == "engines":
+        return _bench_engines(args)
 
     return run_bench(args, _endpoints_or_none(args))
 
@@ -759,7 +848,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batcher processes per rack (default: policies.batcher.consumers_per_rack)")
     s.add_argument("--gateways", type=_positive, default=1,
                    help="HTTP gateways, on --gateway-port, +1, ... (default 1)")
+    s.add_argument("--model-dir", default=None, help="--engine vllm: a local Hugging Face checkpoint to serve "
+                   f"(default: the tiny test checkpoint in {DEFAULT_VLLM_CHECKPOINT}, made if missing)")
+    s.add_argument("--served-model-name", default=None, help="--engine vllm: the model name clients ask for "
+                   "(default: the directory's name)")
+    s.add_argument("--nodes", type=_positive, default=None, help="--engine vllm: vLLM workers in one rack "
+                   "(default 2 without --config; with --config, its cluster)")
     s.set_defaults(fn=cmd_up)
+
+    s = sub.add_parser("model", help="`model tiny --out DIR`: write the tiny random-weight Qwen2 test checkpoint; "
+                                     "`model spec DIR`: print a checkpoint's models.yaml entry")
+    s.add_argument("action", choices=["tiny", "spec"])
+    s.add_argument("dir", nargs="?", default=None, help="spec: the checkpoint directory")
+    s.add_argument("--out", default=str(DEFAULT_VLLM_CHECKPOINT), help="tiny: where to write it")
+    s.set_defaults(fn=cmd_model)
 
     s = sub.add_parser("demo", help="run the local cluster on the Azure conversation trace and report")
     s.add_argument("--trace", default=str(Path(__file__).resolve().parent.parent / "data" / "traces" /
@@ -800,7 +902,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_perf)
 
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
-    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover", "gateway"])
+    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover", "gateway",
+                                    "engines"])
+    s.add_argument("--model-dir", default=None, help="engines: the checkpoint both engines load (default: the tiny "
+                   f"test checkpoint in {DEFAULT_VLLM_CHECKPOINT}, made if missing)")
+    s.add_argument("--bench-tokens", type=int, default=64, help="engines: tokens per sequence")
+    s.add_argument("--repeats", type=int, default=3, help="engines: throughput repeats (medians)")
     s.add_argument("--requests", type=int, default=20_000, help="pipeline: requests in the flood")
     s.add_argument("--requests-batching", type=int, default=1500, help="batching: trace requests per variant")
     s.add_argument("--no-progress", action="store_true")

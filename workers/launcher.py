@@ -21,6 +21,25 @@ from pipeline.config import RackflowConfig
 log = logging.getLogger(__name__)
 
 
+def vllm_python() -> str:
+    """The interpreter a `vllm` worker runs in: this one when it has vLLM, else the project's `.venv-vllm` (built
+    by `make .venv-vllm`: vLLM pins versions that the main environment does not share), else a clear error."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    env = os.environ.get("RACKFLOW_VLLM_PYTHON")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    raise RuntimeError(
+        "the vllm engine needs vLLM, and neither this Python nor .venv-vllm has it: run `make .venv-vllm` (vLLM's "
+        "CPU build), or set RACKFLOW_VLLM_PYTHON to an interpreter with vLLM"
+    )
+
+
 @dataclass
 class RoleProcess:
     role: str
@@ -83,8 +102,9 @@ class ClusterProcesses:
             # 0: a free port the gateway picks (printed in its log)
             metrics_port = (self.gateway_port if port is None else port) or None
         redis_args, env = self._redis_for(role)
+        python = vllm_python() if role == "worker" and self.engine == "vllm" else sys.executable
         cmd = [
-            sys.executable, "-m", "workers.cli", *self.config_args,
+            python, "-m", "workers.cli", *self.config_args,
             *redis_args, "--etcd-url", self.etcd_url, "--log-level", self.log_level,
             "celery-worker" if role == "celery" else role, *extra,
         ]

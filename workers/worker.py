@@ -103,14 +103,8 @@ def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
 
         vc = config.policies.worker.vllm
         if not vc.model:
-            raise ValueError("policies.worker.vllm.model: set the model directory (or id) vLLM should serve")
-        spec = config.node(node)
-        return VllmEngine(
-            vc.model, WALL.now_ms, tensor_parallel_size=vc.tensor_parallel_size or spec.tp,
-            gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
-            enable_prefix_caching=vc.enable_prefix_caching, cpu_offload_gb=vc.cpu_offload_gb,
-            kv_connector=vc.kv_connector, kv_capacity_kb=config.node_kv_capacity_kb(node),
-        )
+            raise ValueError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
+        return VllmEngine(vc, WALL.now_ms, tensor_parallel_size=vc.tensor_parallel_size or config.node(node).tp)
     raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
 
 
@@ -134,7 +128,7 @@ class Worker:
         self.results = ResultWriter(
             self.r, WALL.now_ms, self.retention_ms, ewma_alpha=config.policies.profiling.ewma_alpha
         )
-        self.registry = NodeRegistry(etcd_url)
+        self.registry = NodeRegistry(etcd_url, ttl_s=config.policies.worker.lease_ttl_s)
         self.consumer = StreamConsumer(
             self.r,
             keys.node_batches(node),
@@ -629,6 +623,9 @@ class Worker:
             max_seqs=s.max_seqs,
             prefix_hit_tokens=s.prefix_hit_tokens,
             prompt_tokens=s.prompt_tokens,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_free=s.kv_blocks_free,
+            kv_block_tokens=s.kv_block_tokens,
         )
 
     async def publish_status(self) -> None:

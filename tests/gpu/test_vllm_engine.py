@@ -17,6 +17,7 @@ if not MODEL:
     pytest.skip("set RACKFLOW_VLLM_TEST_MODEL to a local model directory (nothing is downloaded)",
                 allow_module_level=True)
 
+from pipeline.config import VllmEngineConfig  # noqa: E402
 from pipeline.events import RequestEvent  # noqa: E402
 from workers.engines.vllm_engine import VllmEngine  # noqa: E402
 from workers.runtime import WALL  # noqa: E402
@@ -28,7 +29,7 @@ def _req(prompt: str, n: int) -> RequestEvent:
 
 def test_generates_streams_and_resumes_exactly() -> None:
     async def body() -> None:
-        eng = VllmEngine(MODEL, WALL.now_ms, gpu_memory_utilization=0.5, kv_connector=None)
+        eng = VllmEngine(VllmEngineConfig(model=MODEL, gpu_memory_utilization=0.5, kv_connector=None), WALL.now_ms)
         await eng.start()
         try:
             whole = _req("The capital of France is", 24)

@@ -6,7 +6,7 @@ produced and the sequences that finished; `abort` drops one; `export_kv` snapsho
 with `remove=True`, takes it out of the engine: swap-out or migration); `import_kv` resumes a sequence from a
 snapshot so that it continues with exactly the tokens an uninterrupted run would give (greedy decoding); `stats`
 reports its load for the node status. Engines: `sim` (cost-model timing), `torch` (a real small transformer),
-`vllm` (GPU).
+`vllm` (vLLM, on a GPU or its CPU build).
 """
 
 from __future__ import annotations
@@ -76,6 +76,13 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     """Prompt tokens its prefix cache saved since it started (of `prompt_tokens`)."""
     prompt_tokens: int = 0
+    kv_blocks_total: int = 0
+    """Paged KV-cache blocks the engine allocated (vLLM's num_gpu_blocks; 0: not a paged engine)."""
+    kv_blocks_free: int = 0
+    kv_block_tokens: int = 0
+    """Tokens per KV block."""
+    preempted: int = 0
+    """Sequences the engine preempted (recomputed or swapped) since it started."""
 
 
 class Engine(Protocol):

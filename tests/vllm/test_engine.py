@@ -1,0 +1,107 @@
+"""The vllm engine adapter on vLLM's real engine (in this process): its KV numbers are vLLM's own, export/import
+resumes a sequence with exactly the tokens of an uninterrupted greedy run, the prefix cache hits for a repeated
+prefix (vLLM's counters) and is off for a request the long-prompt rule keeps out of it (`cache_salt`)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.events import RequestEvent
+from tests.vllm.conftest import Reference
+from workers.runtime import WALL
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+PROMPT = ("Large language model inference clusters route every request to a rack and a GPU node. " * 6).strip()
+
+
+def _req(prompt: str, n: int, prefix_cache: bool = True) -> RequestEvent:
+    return RequestEvent(str(uuid.uuid4()), 1, "t", "u", "m", len(prompt) // 4, n, n, 1000.0, WALL.now_ms(),
+                        prompt=prompt, prefix_cache=prefix_cache)
+
+
+def test_stats_are_vllms_real_kv_numbers(reference: Reference, tiny_ckpt: Path) -> None:
+    eng = reference.engine
+    vc = eng.engine.vllm_config
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (
+        cfg["hidden_size"] // cfg["num_attention_heads"]) * 4  # float32
+    s = eng.stats()
+    assert s.kv_blocks_total == vc.cache_config.num_gpu_blocks > 0
+    assert s.kv_block_tokens == vc.cache_config.block_size
+    assert eng.bytes_per_token == per_token
+    assert s.kv_capacity_kb == pytest.approx(s.kv_blocks_total * s.kv_block_tokens * per_token / 1000)
+    # VLLM_CPU_KVCACHE_SPACE=1 (GiB): the blocks vLLM allocated fill that space
+    assert s.kv_capacity_kb * 1000 == pytest.approx(1 << 30, rel=0.05)
+    assert s.kv_blocks_free == s.kv_blocks_total and s.kv_usage == 0.0 and s.running == 0
+
+
+def test_export_then_import_resumes_with_the_uninterrupted_tokens(reference: Reference) -> None:
+    eng = reference.engine
+    whole = _req(PROMPT, 48)
+    want = reference.run([whole])[whole.request_id]
+    assert len(want) == 48 and len(set(want)) > 10, f"degenerate greedy output {want[:12]}"
+
+    async def interrupted() -> tuple[list[int], int]:
+        part = _req(PROMPT, 48)
+        eng.submit(part)
+        got: list[int] = []
+        while len(got) < 12:
+            got += [t.token_id for t in (await eng.step()).tokens if t.request_id == part.request_id]
+        snap = eng.export_kv(part.request_id, 2, remove=True)
+        assert snap.generated == tuple(got) and snap.meta["kv"] == "re-prefill"
+        assert not eng.live, "remove=True takes the sequence out of the engine"
+        eng.import_kv(snap, part)
+        while eng.has_work():
+            got += [t.token_id for t in (await eng.step()).tokens if t.request_id == part.request_id]
+        return got, len(snap.generated)
+
+    got, cut = reference._call(interrupted(), 120)
+    assert cut >= 12
+    diff = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    assert got == want, f"resumed after {cut}: first difference at index {diff}"
+
+
+def test_prefix_cache_hits_for_a_repeated_prefix_and_is_off_by_the_rule(reference: Reference) -> None:
+    eng = reference.engine
+    prefix = PROMPT * 3  # several 128-token blocks
+    before = eng.stats()
+    reference.run([_req(prefix + " First question?", 4)])
+    first = eng.stats()
+    reference.run([_req(prefix + " Second question?", 4)])
+    second = eng.stats()
+    block = second.kv_block_tokens
+    prompt_len = len(eng.prompt_ids(_req(prefix + " Second question?", 1)))
+    assert second.prompt_tokens - first.prompt_tokens == prompt_len  # vLLM queried every prompt token
+    hits = second.prefix_hit_tokens - first.prefix_hit_tokens
+    assert hits >= block and hits % block == 0 and hits <= prompt_len, (hits, prompt_len, block)
+    assert first.prefix_hit_tokens - before.prefix_hit_tokens < hits
+    # the seed's long-prompt rule says "no prefix cache": a unique cache_salt, so the same prefix hits nothing
+    reference.run([_req(prefix + " Second question?", 4, prefix_cache=False)])
+    third = eng.stats()
+    assert third.prefix_hit_tokens == second.prefix_hit_tokens
+    assert third.prompt_tokens - second.prompt_tokens == prompt_len
+
+
+def test_abort_stops_the_sequence_inside_vllm(reference: Reference) -> None:
+    eng = reference.engine
+
+    async def body() -> tuple[int, int]:
+        r = _req(PROMPT, 2000)
+        eng.submit(r)
+        n = 0
+        while n < 5:
+            n += sum(1 for t in (await eng.step()).tokens if t.request_id == r.request_id)
+        assert eng.abort(r.request_id) and not eng.abort(r.request_id)
+        late = 0
+        for _ in range(10):
+            late += sum(1 for t in (await eng.step()).tokens if t.request_id == r.request_id)
+        return late, eng.counters.running
+
+    late, running = reference._call(body(), 120)
+    assert late == 0, "tokens of an aborted sequence came out"
+    assert running == 0, "vLLM's scheduler still runs the aborted request"
