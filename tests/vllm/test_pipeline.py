@@ -198,14 +198,16 @@ def test_batcher_budget_matches_vllms_kv_capacity(vc: VllmCluster) -> None:
     model = vc.config.models[vc.model]
     modelled = vc.config.node_kv_capacity_kb(NODES[0])
     assert modelled > 10 * max(caps.values()), "the test needs a modelled budget far from vLLM's"
-    seen = 0
+    checked = 0
     for node in NODES:
-        for _eid, b in asyncio.run(harness.batches(vc.redis_url, node)):
-            assert b.mem_budget_kb <= caps[node] * 1.05, (node, b.mem_budget_kb, caps[node])
-            assert b.mem_budget_kb >= caps[node] * 0.95 - sum(q.mem_est_kb for q in b.requests) * 64, \
-                (node, b.mem_budget_kb, caps[node])
-            seen += 1
-    assert seen > 0
+        budgets = [b.mem_budget_kb for _eid, b in asyncio.run(harness.batches(vc.redis_url, node))]
+        if not budgets:
+            continue  # placement may have sent everything elsewhere
+        checked += 1
+        # never more than vLLM holds; and a batch packed while the node was idle had all of it (within 5%)
+        assert max(budgets) <= caps[node] * 1.05, (node, max(budgets), caps[node])
+        assert max(budgets) >= caps[node] * 0.95, (node, max(budgets), caps[node])
+    assert checked, "no batch went to any node"
     # and the batcher's memory estimate of a request is vLLM's KV bytes for its tokens (the shape estimate)
     assert model.kv_bytes_per_token == 1024
 
