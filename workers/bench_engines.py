@@ -130,7 +130,7 @@ def _gateway_ttfts(model_dir: Path, loop: asyncio.AbstractEventLoop, n: int, say
 
     from pipeline.config import DEFAULT_CONFIG_DIR, load_config
     from workers.engines.checkpoint import served_name, vllm_overlay
-    from workers.launcher import ClusterProcesses, wait_cluster_ready
+    from workers.launcher import ClusterProcesses, gateway_url, wait_cluster_ready
     from workers.services import EmbeddedServices
 
     name = served_name(model_dir)
@@ -150,7 +150,7 @@ def _gateway_ttfts(model_dir: Path, loop: asyncio.AbstractEventLoop, n: int, say
         say("starting a 1-node vLLM cluster behind the gateway")
         procs.start()
         asyncio.run(wait_cluster_ready(config, ep.redis_url, ep.etcd_url, 300))
-        url = _gateway_url(procs)
+        url = gateway_url(procs)
         body = {"model": name, "prompt": TTFT_PROMPT, "max_tokens": 8, "stream": True, "temperature": 0}
 
         async def measure() -> list[float]:
@@ -169,19 +169,6 @@ def _gateway_ttfts(model_dir: Path, loop: asyncio.AbstractEventLoop, n: int, say
     finally:
         procs.stop()
         svc.stop()
-
-
-def _gateway_url(procs: Any, wait_s: float = 60.0) -> str:
-    import re
-
-    gw = next(p for p in procs.procs if p.role == "gateway")
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        found = re.search(r"gateway listening on (http://\S+)", gw.log_path.read_text(errors="replace"))
-        if found:
-            return found.group(1)
-        time.sleep(0.2)
-    raise RuntimeError(f"the gateway did not start: see {gw.log_path}")
 
 
 async def _gateway_ttft(client: Any, url: str, body: dict[str, Any]) -> float:

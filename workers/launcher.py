@@ -21,6 +21,20 @@ from pipeline.config import RackflowConfig
 log = logging.getLogger(__name__)
 
 
+def gateway_url(procs: ClusterProcesses, wait_s: float = 60.0) -> str:
+    """The URL the first gateway of `procs` announced in its log ("gateway listening on URL": port 0 picks one)."""
+    import re
+
+    gw = next(p for p in procs.procs if p.role == "gateway")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        found = re.search(r"gateway listening on (http://\S+)", gw.log_path.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise RuntimeError(f"the gateway did not announce its URL within {wait_s:g}s: see {gw.log_path}")
+
+
 def vllm_python() -> str:
     """The interpreter a `vllm` worker runs in: this one when it has vLLM, else the project's `.venv-vllm` (built
     by `make .venv-vllm`: vLLM pins versions that the main environment does not share), else a clear error."""

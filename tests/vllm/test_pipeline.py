@@ -9,7 +9,6 @@ agents as processes; vLLM's engine core in every worker):
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ from streams import codec, keys
 from tests.conftest import _clean
 from tests.integration import harness
 from tests.vllm.conftest import Reference, cluster_overlay
-from workers.launcher import ClusterProcesses, wait_cluster_ready
+from workers.launcher import ClusterProcesses, gateway_url, wait_cluster_ready
 from workers.openai_api import ChatMessage, chatml_prompt
 from workers.runtime import WALL
 from workers.services import ServiceEndpoints
@@ -59,17 +58,6 @@ class VllmCluster:
         ev = codec.decode(self.r().hgetall(keys.node_status(node)))
         assert isinstance(ev, HealthEvent)
         return ev
-
-
-def gateway_url(procs: ClusterProcesses, wait_s: float = 60) -> str:
-    gw = next(p for p in procs.procs if p.role == "gateway")
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        found = re.search(r"gateway listening on (http://\S+)", gw.log_path.read_text(errors="replace"))
-        if found:
-            return found.group(1)
-        time.sleep(0.2)
-    raise AssertionError(f"the gateway did not announce its URL: {gw.log_path.read_text()[-2000:]}")
 
 
 def _until(what: str, fn: Callable[[], Any], timeout_s: float, every_s: float = 0.2) -> Any:
