@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ from pipeline.events import HealthEvent, RequestEvent, ResultEvent
 from streams import codec, keys
 from tests.conftest import _clean
 from tests.integration import harness
+from tests.integration.test_jobs import _until
 from tests.vllm.conftest import Reference, cluster_overlay
 from workers.launcher import ClusterProcesses, gateway_url, wait_cluster_ready
 from workers.openai_api import ChatMessage, chatml_prompt
@@ -58,17 +59,6 @@ class VllmCluster:
         ev = codec.decode(self.r().hgetall(keys.node_status(node)))
         assert isinstance(ev, HealthEvent)
         return ev
-
-
-def _until(what: str, fn: Callable[[], Any], timeout_s: float, every_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g}s: {what}")
-        time.sleep(every_s)
 
 
 @pytest.fixture(scope="module")
