@@ -101,11 +101,21 @@ _GRPC_OPTIONS = {
 }
 
 
+_RETRY_INTERNAL = frozenset({
+    "get", "get_prefix", "get_range", "get_all", "put", "delete", "delete_prefix", "delete_range", "lease",
+    "refresh_lease", "revoke_lease", "get_lease_info", "status",
+})
+"""Calls retried on the next member after an INTERNAL status too: gRPC core reports a stream or connection that
+breaks mid-call (a member killed or restarting, the lease keep-alive stream above all) as INTERNAL ("Internal error
+from Core"), not UNAVAILABLE. These calls are idempotent; a compare-and-swap transaction is not retried on it."""
+
+
 class FailoverClient:
     """The calls of aetcd.Client that rackflow uses, over several members of one etcd cluster.
 
-    Calls go to the current member. One that fails with ConnectionFailedError (refused, `no leader`) or
-    ConnectionTimeoutError makes the next member current and is retried there (each retry waits at most
+    Calls go to the current member. One that fails with ConnectionFailedError (refused, `no leader`),
+    ConnectionTimeoutError or (idempotent calls only, see _RETRY_INTERNAL) InternalError makes the next member
+    current and is retried there (each retry waits at most
     `failover_timeout_s` for its answer); after a round over every member without an answer it waits (0.1 s,
     doubling to 1 s) and starts another round, until `retry_s` has passed since the call began: then it raises
     EndpointsExhausted listing each endpoint's last error. Any other error (bad
@@ -167,7 +177,9 @@ class FailoverClient:
                     tried[self._url(i)] = f"{type(e).__name__}: {e}"
                     self._moved_off(i, e)
                     continue
-                except (aex.ConnectionFailedError, aex.ConnectionTimeoutError) as e:
+                except (aex.ConnectionFailedError, aex.ConnectionTimeoutError, aex.InternalError) as e:
+                    if isinstance(e, aex.InternalError) and op not in _RETRY_INTERNAL:
+                        raise
                     attempts += 1
                     tried[self._url(i)] = f"{type(e).__name__}: {str(e)[:160]}"
                     self._moved_off(i, e)
