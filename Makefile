@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml $(FLOORS)
 
 # vLLM's CPU build in its own environment: it pins fastapi<0.137, transformers<5.20 and torch 2.13.0+cpu, which the
 # main environment does not share, and it weighs 3.5 GB, which `make run` / `make test` do not need. Workers started
-# with `--engine vllm` run in this interpreter (workers/launcher.py: vllm_python); `make test-vllm` runs there too.
+# with `--engine vllm` run in this interpreter (workers/local/launcher.py: vllm_python); `make test-vllm` runs there too.
 VVENV  := .venv-vllm
 VPY    := $(VVENV)/bin/python
 VPIP   := $(VVENV)/bin/pip

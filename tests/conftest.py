@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.services import EmbeddedServices, ServiceEndpoints
+from workers.local.services import EmbeddedServices, ServiceEndpoints
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def services(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 async def _clean(ep: ServiceEndpoints) -> None:
     import redis.asyncio as aioredis
 
-    from workers.etcd_store import NodeRegistry
+    from workers.stores.etcd import NodeRegistry
 
     r = aioredis.Redis.from_url(ep.redis_url)
     await r.flushdb()

@@ -5,7 +5,7 @@ per operator, and the measured all-reduce time tables), the pure `fit()` that de
 rows, and the error report of a calibration against those rows. Efficiencies attach to the architecture, not to the
 profiled GPU, so a GPU that was never profiled (H200) is predicted from its own peak numbers with its architecture's
 efficiencies.
-It must never read a file: the shell (`workers/perf.py`) parses the CSVs and passes rows in, and writes the result.
+It must never read a file: the shell (`workers/sim/perf.py`) parses the CSVs and passes rows in, and writes the result.
 
 The fit, per architecture and operator, over every row (all num_tokens, both models, every TP degree):
 - linear operators: t = max(flops / (peak_flops * eff_c), bytes / (hbm_bw * eff_m)) + c0, by a log-spaced grid over

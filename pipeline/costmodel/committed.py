@@ -1,7 +1,7 @@
 """The committed calibration, `configs/calibration.json`: configuration loading, like `pipeline.config.load_config`.
 
 Owns the one file access of this package: reading the generated calibration that `rackflow perf calibrate`
-(workers/perf.py) writes, cached per file version, so building a cost model never re-fits (the fit takes seconds).
+(workers/sim/perf.py) writes, cached per file version, so building a cost model never re-fits (the fit takes seconds).
 It must never write the file, read the profiles or fit: that is the shell's job.
 """
 

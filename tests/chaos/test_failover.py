@@ -23,9 +23,9 @@ from pipeline.config import RackflowConfig
 from pipeline.events import ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
 from tests.integration import harness
-from workers.gateway import Gateway
-from workers.launcher import ClusterProcesses, RoleProcess, wait_cluster_ready
-from workers.runtime import WALL
+from workers.local.launcher import ClusterProcesses, RoleProcess, wait_cluster_ready
+from workers.shell.runtime import WALL
+from workers.stores.ingress import Gateway
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -133,7 +133,7 @@ def _check_all(c: Cluster, ids: list[str], timeout_s: float = 180) -> dict[str, 
 
 async def _inject(c: Cluster, node: str, kind: str) -> None:
     """What `rackflow fault inject` does (its CLI is tested in test_agent), without a process start's delay."""
-    from workers import faults
+    from workers.health import faults
 
     r = aioredis.Redis.from_url(c.redis_url)
     try:
@@ -219,7 +219,7 @@ def test_sigkill_router_and_celery_worker(cluster: Cluster) -> None:
 def test_etcd_restart_under_load(clean_services, config_file, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """etcd (the registry, the leases, the monitor's election) goes down for a second and comes back on the same
     ports and data, as an operator's restart does: the pipeline rides through."""
-    from workers.services import EtcdProcess
+    from workers.local.services import EtcdProcess
 
     etcd = EtcdProcess(tmp_path / "etcd")
     etcd.start()
@@ -259,7 +259,7 @@ def test_etcd_restart_under_load(clean_services, config_file, tmp_path: Path) ->
 
 async def _leader(etcd_url: str) -> str | None:
     from streams import keys
-    from workers.etcd_store import etcd_client
+    from workers.stores.etcd import etcd_client
 
     client = etcd_client(etcd_url)
     try:
@@ -317,7 +317,7 @@ def test_sigkill_torch_worker_mid_generation_streams_continue_with_the_uninterru
     the other node from prompt + the tokens already streamed, and every request's token ids equal what one
     uninterrupted greedy run of the same requests gives."""
     from pipeline.events import RequestEvent
-    from workers.worker import build_engine
+    from workers.roles.worker import build_engine
 
     override = {
         "cluster": {"racks": [{"name": "r0", "node_count": 2,

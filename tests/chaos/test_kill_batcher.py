@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.integration import harness
-from workers.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from pipeline.profiling import ProfileInput, profile_request
 from streams import keys
 from streams.runner import StreamProducer
 from tests.integration import harness
-from workers.launcher import ClusterProcesses
-from workers.runtime import WALL
+from workers.local.launcher import ClusterProcesses
+from workers.shell.runtime import WALL
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,9 @@ import pytest
 
 from streams import keys
 from tests.integration import harness
-from workers.etcd_store import (
+from workers.local.launcher import ClusterProcesses
+from workers.local.services import EtcdCluster
+from workers.stores.etcd import (
     EtcdUnavailable,
     FailoverClient,
     MoveOutcome,
@@ -26,8 +28,6 @@ from workers.etcd_store import (
     etcd_client,
     parse_etcd_urls,
 )
-from workers.launcher import ClusterProcesses
-from workers.services import EtcdCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 

@@ -24,8 +24,8 @@ from pipeline.events import DecisionEvent
 from streams import codec, keys
 from streams.runner import connect
 from tests.integration import harness
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.services import free_port
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.services import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 

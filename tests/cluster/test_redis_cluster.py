@@ -14,8 +14,8 @@ import pytest
 from streams import keys
 from streams.runner import connect
 from tests.integration import harness
-from workers.launcher import ClusterProcesses
-from workers.valkey_cluster import ValkeyCluster
+from workers.local.launcher import ClusterProcesses
+from workers.local.valkey_cluster import ValkeyCluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -92,7 +92,7 @@ def test_failover_on_a_valkey_cluster_with_a_separate_celery_broker(  # type: ig
     import subprocess
     import sys
 
-    from workers.launcher import wait_cluster_ready
+    from workers.local.launcher import wait_cluster_ready
 
     url = valkey_cluster.url
     monkeypatch.setenv("RACKFLOW_CELERY_BROKER_URL", clean_services.redis_url)

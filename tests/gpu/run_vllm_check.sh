@@ -21,9 +21,9 @@ import asyncio, sys, time, uuid, tempfile
 from pathlib import Path
 from pipeline.config import DEFAULT_CONFIG_DIR, load_config
 from pipeline.profiling import ProfileInput
-from workers.services import EmbeddedServices
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.runtime import WALL
+from workers.local.services import EmbeddedServices
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.shell.runtime import WALL
 from tests.integration import harness
 
 cfg_path, n = Path(sys.argv[1]), int(sys.argv[2])

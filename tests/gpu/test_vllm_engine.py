@@ -20,7 +20,7 @@ if not MODEL:
 from pipeline.config import VllmEngineConfig  # noqa: E402
 from pipeline.events import RequestEvent  # noqa: E402
 from workers.engines.vllm_engine import VllmEngine  # noqa: E402
-from workers.runtime import WALL  # noqa: E402
+from workers.shell.runtime import WALL  # noqa: E402
 
 
 def _req(prompt: str, n: int) -> RequestEvent:

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.services import ACL_FILE, ADMIN_USER, EmbeddedServices, acl_role_rules
+from workers.local.services import ACL_FILE, ADMIN_USER, EmbeddedServices, acl_role_rules
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.timeout(60)]
 
@@ -139,7 +139,7 @@ def test_gateway_without_queue_read_rights_fails_loudly(secure: tuple[EmbeddedSe
     """An ACL that denies the gateway its queue reads must not silently turn load shedding off (a denial is an
     error reply like "no such stream", which the gateway takes as an empty queue)."""
     from pipeline.config import load_config
-    from workers.gateway import Gateway
+    from workers.stores.ingress import Gateway
 
     _svc, state = secure
     admin = _client(str(state["redis_url"]))
@@ -162,7 +162,7 @@ def test_gateway_without_queue_read_rights_fails_loudly(secure: tuple[EmbeddedSe
         asyncio.run(read())
     assert "may not run xinfo|groups on rf:rack:" in caplog.text
     # what the HTTP client then gets: a 503 that says it is the ACL, not an outage
-    from workers.http_gateway import _store_down
+    from workers.gateway.http import _store_down
 
     err = _store_down(denied.value)
     assert (err.status, err.code) == (503, "store_forbidden") and "permission" in str(err)
@@ -175,7 +175,7 @@ def test_rackflow_up_logs_each_role_in_as_its_user_on_a_secure_valkey(
     import argparse
 
     from pipeline.config import DEFAULT_CONFIG_DIR
-    from workers.cli import _LocalCluster
+    from workers.cli.main import _LocalCluster
 
     monkeypatch.chdir(tmp_path)
     for var in ("RACKFLOW_REDIS_URL", "RACKFLOW_ETCD_URL"):
@@ -253,8 +253,8 @@ def test_every_role_runs_as_its_own_acl_user(tmp_path: Path, config_file: Callab
     drained by the monitor and Celery (live sequences moved), Flower's API, the fault CLI as rf-ops -- and not
     one ACL denial."""
     from tests.integration import harness
-    from workers.launcher import ClusterProcesses, wait_cluster_ready
-    from workers.services import free_port
+    from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+    from workers.local.services import free_port
 
     svc = EmbeddedServices(tmp_path / "state", secure=True)
     ep = svc.start()
@@ -289,8 +289,8 @@ def test_every_role_runs_as_its_own_acl_user(tmp_path: Path, config_file: Callab
         # inject` does, in-process so that it lands mid-stream): the monitor drains the node and Celery moves its
         # live sequences, KV included (rf:seq:*, rf:kv:*), to r0-n0
         async def fault_under_load() -> list[tuple[int, str]]:
-            from workers import faults
-            from workers.runtime import WALL
+            from workers.health import faults
+            from workers.shell.runtime import WALL
 
             load = asyncio.create_task(_http_load(base, 8, max_tokens=160))
             await asyncio.sleep(1.5)

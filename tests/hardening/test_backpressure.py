@@ -42,9 +42,9 @@ from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import HealthEvent, ResultEvent
 from pipeline.sim.simulator import percentile
 from streams import codec, keys
-from workers.bench_gateway import closed_loop, one_request, open_loop, wait_http_ready
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.services import ServiceEndpoints, free_port
+from workers.bench.gateway import closed_loop, one_request, open_loop, wait_http_ready
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.services import ServiceEndpoints, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.slow, pytest.mark.long]
 
@@ -264,7 +264,7 @@ def test_store_unreachable_is_503_with_retry_after(services: ServiceEndpoints, t
 
 def test_retry_after_follows_the_queue_and_the_completion_rate() -> None:
     """Retry-After = the queue ahead / the recent completion rate, within [retry_after_s, max_retry_after_s]."""
-    from workers.gateway import Gateway
+    from workers.stores.ingress import Gateway
 
     gw = Gateway(load_config(DEFAULT_CONFIG_DIR, []), None)  # type: ignore[arg-type]  # no I/O here
     assert gw.retry_after(100, 2) == gw.config.gateway.max_retry_after_s  # no rate known yet: the cap

@@ -22,9 +22,9 @@ from redis.retry import Retry
 from pipeline.config import RackflowConfig
 from streams import keys
 from tests.integration import harness
-from workers.gateway import Gateway
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.services import ServiceEndpoints, ValkeyProcess, free_port, valkey_durable_args
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.services import ServiceEndpoints, ValkeyProcess, free_port, valkey_durable_args
+from workers.stores.ingress import Gateway
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.timeout(180)]
 

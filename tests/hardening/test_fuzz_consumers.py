@@ -54,7 +54,7 @@ from pipeline.events import (
 from streams import codec, keys
 from streams.errors import DecodeError
 from tests.conftest import REPO
-from workers.runtime import WALL
+from workers.shell.runtime import WALL
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening]
 
@@ -543,7 +543,7 @@ EXAMPLES = 15
 
 
 def test_router_survives_bad_entries(env) -> None:  # type: ignore[no-untyped-def]
-    from workers.router import Router
+    from workers.roles.router import Router
 
     ep, config, r = env
     s = Stream(r, keys.INGRESS, keys.GROUP_ROUTER)
@@ -563,7 +563,7 @@ def test_router_survives_bad_entries(env) -> None:  # type: ignore[no-untyped-de
 
 
 def test_batcher_survives_bad_entries(env) -> None:  # type: ignore[no-untyped-def]
-    from workers.batcher import Batcher
+    from workers.roles.batcher import Batcher
 
     ep, config, r = env
     s = Stream(r, keys.rack_requests(RACK), keys.GROUP_BATCHER)
@@ -579,7 +579,7 @@ def test_batcher_survives_bad_entries(env) -> None:  # type: ignore[no-untyped-d
 
 
 def test_worker_survives_bad_batches(env) -> None:  # type: ignore[no-untyped-def]
-    from workers.worker import Worker
+    from workers.roles.worker import Worker
 
     ep, config, r = env
     s = Stream(r, keys.node_batches(NODE), keys.GROUP_WORKER)
@@ -599,7 +599,7 @@ def test_worker_survives_bad_batches(env) -> None:  # type: ignore[no-untyped-de
 
 
 def test_worker_survives_bad_control_messages(env) -> None:  # type: ignore[no-untyped-def]
-    from workers.worker import Worker
+    from workers.roles.worker import Worker
 
     ep, config, r = env
     s = Stream(r, keys.node_control(NODE), keys.GROUP_WORKER)
@@ -618,7 +618,7 @@ def test_worker_survives_bad_control_messages(env) -> None:  # type: ignore[no-u
 
 
 def test_monitor_survives_bad_health_samples(env) -> None:  # type: ignore[no-untyped-def]
-    from workers.monitor import Monitor
+    from workers.roles.monitor import Monitor
 
     ep, config, r = env
     s = Stream(r, keys.HEALTH, "failover")
@@ -637,7 +637,7 @@ def test_sim_engine_resumed_sequence_one_token_from_the_end(tmp_path: Path) -> N
     """Found by the worker fuzzing: a resumed sequence (prefilled, `generated` tokens already out) was stepped twice
     in its first step, once as new and once as decoding; when it was one token from `max_tokens` the second pass
     deleted it from `running` again (KeyError) and the worker's engine loop died, taking the worker down."""
-    from workers.worker import build_engine
+    from workers.roles.worker import build_engine
 
     engine = build_engine(small_config(tmp_path), NODE, "sim")
     req = request("resumed", max_tokens=3)
@@ -653,7 +653,7 @@ def test_worker_refuses_a_request_no_memory_budget_holds(env) -> None:  # type: 
     engine admitted it into an empty engine; two of them overflowed its memory ledger to inf, and from then on it
     ran one sequence at a time, so good batches waited past the test's deadline. The worker now refuses sizes no
     node budget holds, with an error result, and the engine stays as it was."""
-    from workers.worker import Worker
+    from workers.roles.worker import Worker
 
     ep, config, r = env
     huge = [request(mem_est_kb=1e308), request(mem_est_kb=-1.0), request(mem_est_kb=1e308)]

@@ -1,6 +1,6 @@
 """Fuzzing the HTTP gateway (issue 9): no input gets a 5xx.
 
-The gateway's app (`workers.http_gateway.create_app`) runs in-process (Starlette's TestClient, lifespan included)
+The gateway's app (`workers.gateway.http.create_app`) runs in-process (Starlette's TestClient, lifespan included)
 against the real Valkey of the session, once with JWT auth on and once with auth off. A small responder stands in
 for the pipeline: it answers every request admitted to `rf:ingress` with a final result, so a valid request gets its
 200 instead of waiting for a timeout.
@@ -39,7 +39,7 @@ from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import RequestEvent, ResultEvent
 from streams import codec, keys
 from tests.hardening.test_fuzz_consumers import write_counts
-from workers.runtime import WALL
+from workers.shell.runtime import WALL
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening]
 
@@ -73,7 +73,7 @@ def gateway_config(tmp_path: Path) -> RackflowConfig:
 
 def openapi_schema(app: Any) -> dict[str, Any]:
     """FastAPI's schema of the app, with the request bodies and headers the gateway reads by hand."""
-    from workers.openai_api import ChatCompletionRequest, CompletionRequest
+    from workers.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 
     raw = copy.deepcopy(app.openapi())
     comps = raw.setdefault("components", {}).setdefault("schemas", {})
@@ -123,7 +123,7 @@ class Responder:
 
     async def _main(self) -> None:
         from streams.runner import connect
-        from workers.results import ResultWriter
+        from workers.stores.results import ResultWriter
 
         r = connect(self.redis_url)
         writer = ResultWriter(r, WALL.now_ms, 3_600_000)
@@ -156,8 +156,8 @@ class Responder:
 
 @pytest.fixture(params=["auth", "no-auth"])
 def gateway(request, clean_services, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    from workers.auth import mint_token
-    from workers.http_gateway import create_app
+    from workers.gateway.auth import mint_token
+    from workers.gateway.http import create_app
 
     auth = request.param == "auth"
     monkeypatch.setenv("RACKFLOW_JWT_SECRET", SECRET)

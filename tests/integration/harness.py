@@ -14,8 +14,8 @@ from pipeline.events import BatchEvent, RequestEvent, ResultEvent
 from pipeline.profiling import ProfileInput
 from streams import codec, keys
 from streams.runner import connect
-from workers.gateway import Gateway
-from workers.runtime import WALL
+from workers.shell.runtime import WALL
+from workers.stores.ingress import Gateway
 
 SMALL_CLUSTER = {
     "cluster": {

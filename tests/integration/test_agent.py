@@ -24,12 +24,12 @@ from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import HealthEvent
 from streams import codec, keys
 from streams.runner import connect
-from workers import faults
-from workers.agent import HealthAgent
-from workers.etcd_store import parse_etcd_url
-from workers.launcher import ClusterProcesses
-from workers.runtime import WALL
-from workers.services import ServiceEndpoints
+from workers.health import faults
+from workers.local.launcher import ClusterProcesses
+from workers.local.services import ServiceEndpoints
+from workers.roles.agent import HealthAgent
+from workers.shell.runtime import WALL
+from workers.stores.etcd import parse_etcd_url
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ from pipeline.events import RequestEvent, ResumeEvent
 from streams import codec, keys
 from streams.runner import connect
 from tests.integration import harness
-from workers.etcd_store import SeqRecord
-from workers.failover import FailoverContext, migrate_sequence, requeue_request
-from workers.runtime import WALL
+from workers.control.failover import FailoverContext, migrate_sequence, requeue_request
+from workers.shell.runtime import WALL
+from workers.stores.etcd import SeqRecord
 
 
 def _req(rid: str) -> RequestEvent:

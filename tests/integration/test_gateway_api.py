@@ -40,8 +40,8 @@ from pipeline.events import RequestEvent, ResultEvent
 from streams import codec, keys
 from tests.conftest import REPO, _clean
 from tests.integration import harness
-from workers.launcher import ClusterProcesses
-from workers.services import ServiceEndpoints
+from workers.local.launcher import ClusterProcesses
+from workers.local.services import ServiceEndpoints
 
 pytestmark = pytest.mark.integration
 
@@ -567,7 +567,7 @@ def test_no_auth_gateway_and_clean_sigterm(env: Env) -> None:
 
 
 def test_without_redis_health_is_503_and_requests_get_503(env: Env) -> None:
-    from workers.services import free_port
+    from workers.local.services import free_port
 
     dead = f"redis://127.0.0.1:{free_port()}/0"
     gw = start_gateway(env.config, dead, env.services.etcd_url, env.tmp / "gateway-d.log")
@@ -584,7 +584,7 @@ def test_without_redis_health_is_503_and_requests_get_503(env: Env) -> None:
 def test_unexpected_error_is_a_500_json_without_traceback() -> None:
     """In process (no server needed): an app whose lifespan never ran fails inside the endpoint."""
     from pipeline.config import load_config
-    from workers.http_gateway import create_app
+    from workers.gateway.http import create_app
 
     app = create_app(load_config(), "redis://127.0.0.1:1/0", None, no_auth=True)
 

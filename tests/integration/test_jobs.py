@@ -36,9 +36,9 @@ from pipeline.profiling import ProfileInput
 from streams import codec, keys
 from tests.conftest import REPO, _clean
 from tests.integration import harness
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.runtime import WALL
-from workers.services import ServiceEndpoints, free_port
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.services import ServiceEndpoints, free_port
+from workers.shell.runtime import WALL
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,7 @@ def jc(services: ServiceEndpoints, tmp_path_factory: pytest.TempPathFactory) -> 
         flower = f"http://127.0.0.1:{flower_port}"
         # Flower sees task events only once it is connected: wait until it lists the Celery worker
         _until("Flower lists the Celery worker", lambda: _flower(flower, "/api/workers?refresh=1"), 60, 0.5)
-        from workers.celery_app import configure
+        from workers.control.app import configure
 
         configure(config, services.redis_url, services.etcd_url)
         yield JobCluster(config, path, services.redis_url, services.etcd_url, url, flower, procs)
@@ -188,7 +188,7 @@ def _token(tenant: str, sub: str = "alice") -> dict[str, str]:
 
 # -- the task ----------------------------------------------------------------------------------------------------------
 def test_generate_returns_the_completion_through_the_pipeline(jc: JobCluster) -> None:
-    from workers.jobs import generate
+    from workers.control.jobs import generate
 
     res = generate.delay(prompt="write a haiku about racks", model=MODEL, user="u-7", max_tokens=16)
     out = res.get(timeout=60)
@@ -238,7 +238,7 @@ def test_cli_submits_a_group_and_waits_for_every_result(jc: JobCluster, tmp_path
 
 
 def test_job_file_errors_name_the_line(tmp_path: Path) -> None:
-    from workers import jobs
+    from workers.control import jobs
 
     config = harness.small_config(_write(tmp_path / "c.yaml", CLUSTER))
     bad = tmp_path / "bad.jsonl"
@@ -266,7 +266,7 @@ def _write(path: Path, data: dict[str, Any]) -> Path:
 def test_cancel_revokes_the_task_and_aborts_the_sequence(jc: JobCluster) -> None:
     from celery.result import AsyncResult
 
-    from workers.jobs import generate
+    from workers.control.jobs import generate
 
     res = generate.delay(prompt="a very long story", model=MODEL, max_tokens=LONG)
     rid = res.id
@@ -287,7 +287,7 @@ def test_cancel_revokes_the_task_and_aborts_the_sequence(jc: JobCluster) -> None
     assert len(_results_of(jc, rid)) == 1
 
     async def record() -> Any:
-        from workers.etcd_store import NodeRegistry, SequenceRegistry
+        from workers.stores.etcd import NodeRegistry, SequenceRegistry
 
         reg = NodeRegistry(jc.etcd_url)
         try:
@@ -304,7 +304,7 @@ def test_cancel_revokes_the_task_and_aborts_the_sequence(jc: JobCluster) -> None
 
 
 def test_request_cancelled_before_it_starts_never_runs(jc: JobCluster) -> None:
-    from workers import jobs
+    from workers.control import jobs
 
     rid = str(uuid.uuid4())
 
@@ -331,7 +331,7 @@ def test_task_whose_request_was_cancelled_ends_revoked(jc: JobCluster) -> None:
     that starts after its request was cancelled admits nothing and ends REVOKED."""
     from celery.exceptions import TaskRevokedError
 
-    from workers import jobs
+    from workers.control import jobs
 
     rid = str(uuid.uuid4())
 

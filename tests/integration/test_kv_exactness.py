@@ -40,7 +40,7 @@ def _request(job: dict[str, Any]) -> Any:
 def _engine() -> Any:
     from pipeline.config import load_config
     from workers.engines.torch_engine import TorchEngine
-    from workers.runtime import WALL
+    from workers.shell.runtime import WALL
 
     config = load_config()
     tc = config.policies.worker.torch

@@ -25,7 +25,7 @@ from streams.errors import StreamError, TransientStreamError
 from workers.kv.l1 import SharedMemoryStore
 from workers.kv.l2 import ValkeyStore, blob_key, versions_key
 from workers.kv.manager import KvTierManager
-from workers.services import ServiceEndpoints, free_port
+from workers.local.services import ServiceEndpoints, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -286,7 +286,7 @@ def test_rebuild_recovers_the_ledger(clean_services: ServiceEndpoints, tmp_path:
 
 
 def test_bench_kv_reports_both_tiers(clean_services: ServiceEndpoints) -> None:
-    from workers.kv.bench import bench_kv
+    from workers.bench.kv import bench_kv
 
     res: dict[str, Any] = bench_kv(clean_services.redis_url, sizes_mb=(0.25,), n=8, repeats=1)
     assert res["snapshot_mb"] == 0.25

@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from streams import keys
 from tests.integration import harness
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.services import free_port
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.services import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ import pytest
 
 from streams import keys
 from tests.integration import harness
-from workers.etcd_store import SeqRecord
-from workers.monitor import Monitor
-from workers.runtime import WALL
+from workers.roles.monitor import Monitor
+from workers.shell.runtime import WALL
+from workers.stores.etcd import SeqRecord
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from streams import keys
 from tests.integration import harness
-from workers.launcher import ClusterProcesses
+from workers.local.launcher import ClusterProcesses
 
 pytestmark = pytest.mark.integration
 

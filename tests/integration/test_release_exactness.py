@@ -21,8 +21,8 @@ import redis.asyncio as aioredis
 from pipeline.events import BatchEvent, ReleaseEvent, RequestEvent, TokenEvent
 from streams import codec, keys
 from tests.integration import harness
-from workers.runtime import WALL
-from workers.services import ServiceEndpoints
+from workers.local.services import ServiceEndpoints
+from workers.shell.runtime import WALL
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -48,7 +48,7 @@ async def _sent_indices(r: aioredis.Redis, rid: str) -> list[int]:
 
 
 async def _scenario(ep: ServiceEndpoints, config: Any, seed: int, engine: str) -> list[tuple[str, int, list[int]]]:
-    from workers.worker import Worker
+    from workers.roles.worker import Worker
 
     rng = random.Random(seed)
     worker = Worker(config, NODE, engine, ep.redis_url, ep.etcd_url, grace_s=2.0)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration import harness
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.services import ValkeyProcess
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.services import ValkeyProcess
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from pipeline.profiling import ProfileInput
 from pipeline.routing.hashring import HashRing
 from streams import codec, keys
 from tests.integration import harness
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.runtime import WALL
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.shell.runtime import WALL
 
 pytestmark = pytest.mark.integration
 
@@ -113,7 +113,7 @@ def test_stale_node_is_not_routed_to(cluster) -> None:  # type: ignore[no-untype
 def test_user_output_ewma_is_updated_on_completion_and_feeds_the_estimate(cluster) -> None:  # type: ignore[no-untyped-def]
     import redis.asyncio as aioredis
 
-    from workers.gateway import Gateway
+    from workers.stores.ingress import Gateway
 
     config, _procs, url = cluster
     for n in (4, 8, 12):  # one after the other, so the EWMA sees them in this order

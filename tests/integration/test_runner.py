@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from pipeline.events import RequestEvent
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer
-from workers.runtime import WALL
+from workers.shell.runtime import WALL
 
 pytestmark = pytest.mark.integration
 

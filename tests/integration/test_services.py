@@ -1,4 +1,4 @@
-"""Integration tests for workers.services: real valkey-server and etcd processes, no mocks."""
+"""Integration tests for workers.local.services: real valkey-server and etcd processes, no mocks."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.services import (
+from workers.local.services import (
     ENV_ETCD_URL,
     ENV_REDIS_URL,
     EmbeddedServices,

@@ -20,8 +20,8 @@ from pipeline.events import ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
 from streams import codec, keys
 from tests.integration import harness
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.runtime import WALL
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.shell.runtime import WALL
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -86,7 +86,7 @@ def test_fifty_requests_produce_real_text(clean_services, config_file, tmp_path)
 def test_rackflow_up_with_torch_serves_a_streaming_completion(tmp_path: Path) -> None:
     import yaml
 
-    from workers.services import free_port
+    from workers.local.services import free_port
 
     override = json.loads(json.dumps(TORCH_CLUSTER))
     override["policies"]["kv"] = {"l1_dir": str(tmp_path / "l1")}

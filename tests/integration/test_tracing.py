@@ -14,12 +14,12 @@ import redis.asyncio as aioredis
 from pipeline.events import ResultEvent
 from pipeline.profiling import ProfileInput
 from tests.integration import harness
-from workers import tracing
-from workers.batcher import Batcher
-from workers.gateway import Gateway
-from workers.router import Router
-from workers.runtime import WALL
-from workers.worker import Worker
+from workers.roles.batcher import Batcher
+from workers.roles.router import Router
+from workers.roles.worker import Worker
+from workers.shell import tracing
+from workers.shell.runtime import WALL
+from workers.stores.ingress import Gateway
 
 pytestmark = pytest.mark.integration
 

@@ -35,8 +35,8 @@ from pipeline.sim.traces import MultiTurnSpec, TraceRequest, multiturn
 from pipeline.tokens import prefix_hashes_from_ids
 from tests.conftest import _clean
 from tests.parity.ranking import REPO, at_load, capacity, config_with, ranking, sim_ttft_p99, window
-from workers.demo import DemoRun
-from workers.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.demo import DemoRun
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
 
 pytestmark = [pytest.mark.parity, pytest.mark.integration]
 
@@ -146,7 +146,7 @@ def test_the_simulator_places_with_the_live_batchers_objects(tmp_path: Path) -> 
     from pipeline.replay import rack_batcher
     from pipeline.routing.prefix_index import BlockIndex
     from pipeline.sim.simulator import Simulator
-    from workers.sim_cli import cost_factory
+    from workers.sim.harness import cost_factory
 
     base = tmp_path / "cluster.yaml"
     base.write_text(yaml.safe_dump(CLUSTER))

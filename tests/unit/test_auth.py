@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from pipeline.config import AuthConfig, ConfigError
-from workers.auth import Authenticator, AuthError, Principal, mint_token
+from workers.gateway.auth import Authenticator, AuthError, Principal, mint_token
 
 SECRET = "test-secret-0123456789abcdef-0123456789"
 ENV = "RACKFLOW_TEST_JWT_SECRET"
@@ -163,7 +163,7 @@ def test_auth_off_accepts_everyone_as_default_tenant_and_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.delenv(ENV, raising=False)  # no secret needed when auth is off
-    with caplog.at_level(logging.WARNING, logger="workers.auth"):
+    with caplog.at_level(logging.WARNING, logger="workers.gateway.auth"):
         authn = Authenticator(AuthConfig(mode="hs256", secret_env=ENV, default_tenant="dev"), no_auth=True)
     assert [r.getMessage() for r in caplog.records] == [
         "JWT auth is OFF: every request is accepted as tenant dev (local runs only)"

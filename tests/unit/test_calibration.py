@@ -16,8 +16,8 @@ from pipeline.costmodel import AllReduceTable, Calibration, CalibrationError, fi
 from pipeline.costmodel.calibration import _isotonic, iteration_errors
 from pipeline.costmodel.operators import PROFILED_OPS
 from tests.unit.builders import config
-from workers import perf
-from workers.cli import main as rackflow
+from workers.cli.main import main as rackflow
+from workers.sim import perf
 
 CFG = config()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streams.runner import connect, is_cluster_url, plain_url
-from workers.celery_app import BROKER_ENV, broker_url
+from workers.control.app import BROKER_ENV, broker_url
 
 
 def test_cluster_url_scheme() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline.events import HealthEvent
-from workers.cluster_view import node_view_from_status
+from workers.stores.cluster_view import node_view_from_status
 
 
 def _ev(source: str, total: float, free: float, ts: float = 1000.0) -> HealthEvent:

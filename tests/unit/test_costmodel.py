@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from pipeline.config import GpuSpec, ModelSpec
 from pipeline.costmodel import AttentionConstants, CalibratedCostModel, RooflineCostModel
 from tests.unit.builders import config
-from workers import perf
-from workers.cli import main as rackflow
+from workers.cli.main import main as rackflow
+from workers.sim import perf
 
 CFG = config()
 CAL = perf.load_calibration()
@@ -219,7 +219,7 @@ def test_for_node_resolves_a_configured_node_or_a_triple_and_lists_the_valid_nam
 
 
 def test_the_sim_engine_is_built_on_the_calibrated_model() -> None:
-    from workers.worker import build_engine
+    from workers.roles.worker import build_engine
 
     engine = build_engine(CFG, CFG.nodes()[0].name, "sim")
     assert isinstance(engine.cost, CalibratedCostModel)  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """The deployment files in deploy/ are checked against the code they start, without Docker, Kubernetes or systemd:
 
 - every `rackflow` command line in docker-compose.yml, the systemd units and the Helm templates parses with the real
-  argument parser (`workers.cli.build_parser`), with real subcommands and flags;
+  argument parser (`workers.cli.main.build_parser`), with real subcommands and flags;
 - the topology they run (a batcher per rack, a worker and an agent per node) is the one of configs/cluster.yaml;
 - docker-compose.yml refers only to services, secrets and files it defines, has the health checks the roles depend
   on, and Prometheus scrapes every role that serves /metrics;
@@ -26,8 +26,8 @@ import yaml
 
 from pipeline.config import ConfigError, load_config, parse_config, raw_config
 from tests.conftest import REPO
-from workers.cli import build_parser
-from workers.etcd_store import parse_etcd_urls
+from workers.cli.main import build_parser
+from workers.stores.etcd import parse_etcd_urls
 
 DEPLOY = REPO / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
@@ -51,7 +51,7 @@ def _parse_rackflow(argv: list[str], where: str) -> Any:
     try:
         return _parser().parse_args(argv)
     except SystemExit as e:
-        pytest.fail(f"{where}: `rackflow {shlex.join(argv)}` does not parse with workers.cli.build_parser ({e})")
+        pytest.fail(f"{where}: `rackflow {shlex.join(argv)}` does not parse with workers.cli.main.build_parser ({e})")
 
 
 # -- docker-compose.yml --------------------------------------------------------------------------------------------
@@ -458,7 +458,7 @@ def test_chart_gateway_probes_and_worker_node_ids() -> None:
 
 def test_chart_flower_and_etcd_urls() -> None:
     t = _templates()
-    assert 'exec celery --broker "${RACKFLOW_CELERY_BROKER_URL:-$RACKFLOW_REDIS_URL}" -A workers.celery_app' in (
+    assert 'exec celery --broker "${RACKFLOW_CELERY_BROKER_URL:-$RACKFLOW_REDIS_URL}" -A workers.control.app' in (
         t["flower.yaml"])
     assert '{{- join "," $urls -}}' in t["_helpers.tpl"]
     pattern = json.loads((CHART / "values.schema.json").read_text())["properties"]["etcd"]["properties"]["url"]

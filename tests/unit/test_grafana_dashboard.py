@@ -1,5 +1,5 @@
 """deploy/grafana/rackflow-dashboard.json is a real Grafana dashboard built on the names the code exports: every
-metric a panel or variable query uses is defined in workers/metrics.py or the gateway's registry, so the dashboard
+metric a panel or variable query uses is defined in workers/shell/metrics.py or the gateway's registry, so the dashboard
 cannot drift from the code."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import re
 from typing import Any
 
 from tests.conftest import REPO
-from workers import metrics
-from workers.http_gateway import GatewayMetrics
+from workers.gateway.http import GatewayMetrics
+from workers.shell import metrics
 
 DASHBOARD = REPO / "deploy" / "grafana" / "rackflow-dashboard.json"
 NAME = re.compile(r"\b(rackflow_[A-Za-z0-9_]+)")

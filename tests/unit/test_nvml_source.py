@@ -6,7 +6,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from workers.nvml_source import NO_LIBRARY, NvmlSource, NvmlUnavailable, aggregate
+from workers.health.nvml_source import NO_LIBRARY, NvmlSource, NvmlUnavailable, aggregate
 
 
 def _nvml_state() -> str:

@@ -15,8 +15,8 @@ import pytest
 
 from pipeline.events import RequestEvent, ResultEvent
 from tests.conftest import REPO
-from workers import metrics, tracing
-from workers.runtime import LOG_FIELDS, ContextFilter, JsonFormatter, bind_log_context, log_context
+from workers.shell import metrics, tracing
+from workers.shell.runtime import LOG_FIELDS, ContextFilter, JsonFormatter, bind_log_context, log_context
 
 
 def _logger(formatter: logging.Formatter) -> tuple[logging.Logger, io.StringIO]:
@@ -100,10 +100,10 @@ def _run_logging(env: dict[str, str], code: str) -> str:
 
 LOG_SCRIPT = """
 import logging
-from workers.runtime import setup_logging, log_context
+from workers.shell.runtime import setup_logging, log_context
 setup_logging("INFO", "worker-r0-n0", node="r0-n0", rack="r0")
 with log_context(request_id="abc"):
-    logging.getLogger("workers.worker").info("done %d", 3)
+    logging.getLogger("workers.roles.worker").info("done %d", 3)
 """
 
 
@@ -111,14 +111,14 @@ def test_setup_logging_writes_json_with_rackflow_log_json_and_text_otherwise() -
     out = _run_logging({"RACKFLOW_LOG_JSON": "1"}, LOG_SCRIPT).strip().splitlines()
     assert len(out) == 1
     line = json.loads(out[0])
-    assert line["message"] == "done 3" and line["logger"] == "workers.worker" and line["role"] == "worker-r0-n0"
+    assert line["message"] == "done 3" and line["logger"] == "workers.roles.worker" and line["role"] == "worker-r0-n0"
     assert (line["request_id"], line["node"], line["rack"], line["seq_id"]) == ("abc", "r0-n0", "r0", None)
     text = _run_logging({}, LOG_SCRIPT).strip()
     assert "INFO worker-r0-n0[" in text and text.endswith("done 3 [node=r0-n0 rack=r0 request_id=abc]")
 
 
 def test_cli_log_json_flag_makes_role_logs_json() -> None:
-    from workers.cli import build_parser
+    from workers.cli.main import build_parser
 
     args = build_parser().parse_args(["--log-json", "router"])
     assert args.log_json
@@ -197,7 +197,7 @@ class Block:
         if name == "opentelemetry" or name.startswith("opentelemetry."):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
-import workers.tracing as t, workers.gateway, workers.router, workers.batcher, workers.worker, workers.cli
+import workers.shell.tracing as t, workers.stores.ingress, workers.roles.router, workers.roles.batcher, workers.roles.worker, workers.cli.main
 assert t.init_tracing(True) is False and t.TRACER is None
 assert not [m for m in sys.modules if m.startswith("opentelemetry")]
 print("ok")

@@ -75,7 +75,7 @@ def record_run(
     config: RackflowConfig, seed: int = 7, closes: int = 150
 ) -> tuple[list[RequestEvent], list[DecisionEvent]]:
     """What a batcher and a router record over a synthetic run (the batcher part through the same objects and
-    record builders as workers.batcher), passed through the wire codec."""
+    record builders as workers.roles.batcher), passed through the wire codec."""
     rng = random.Random(seed)
     log = DrawLog()
     blocks = BlockIndex()

@@ -9,7 +9,7 @@ from typing import Any
 
 from tests.unit.builders import config, request
 from workers.engines.sim import SimEngine, placeholder_token
-from workers.worker import build_engine
+from workers.roles.worker import build_engine
 
 
 def engine(**kw: Any) -> SimEngine:

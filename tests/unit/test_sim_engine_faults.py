@@ -7,7 +7,7 @@ import asyncio
 
 from tests.unit.builders import config, request
 from workers.engines.sim import SimEngine
-from workers.worker import build_engine
+from workers.roles.worker import build_engine
 
 
 def _sleeps(factor: float) -> list[float]:

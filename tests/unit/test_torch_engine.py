@@ -470,7 +470,7 @@ def test_step_runs_off_the_event_loop() -> None:
 
 # -- wiring ------------------------------------------------------------------------------------------------------
 def test_worker_and_registry_build_the_torch_engine() -> None:
-    from workers.worker import build_engine
+    from workers.roles.worker import build_engine
 
     e = build_engine(CONFIG, CONFIG.nodes()[0].name, "torch")
     assert isinstance(e, TorchEngine) and e.model_id.startswith("tiny-qwen2-seed0:float32:")

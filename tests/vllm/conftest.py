@@ -28,7 +28,7 @@ from pipeline.config import VllmEngineConfig
 from pipeline.events import RequestEvent
 from tests.conftest import REPO
 from workers.engines.checkpoint import served_name, vllm_overlay, write_tiny_checkpoint
-from workers.runtime import WALL
+from workers.shell.runtime import WALL
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if not HAVE_VLLM:

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.events import RequestEvent
 from tests.vllm.conftest import Reference
-from workers.runtime import WALL
+from workers.shell.runtime import WALL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -22,9 +22,9 @@ from streams import codec, keys
 from tests.chaos.test_failover import Cluster, _check_all, _client_view, _inject, _migrations, _where
 from tests.integration import harness
 from tests.vllm.conftest import Reference, cluster_overlay
-from workers.gateway import Gateway
-from workers.launcher import ClusterProcesses, wait_cluster_ready
-from workers.runtime import WALL
+from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.shell.runtime import WALL
+from workers.stores.ingress import Gateway
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.chaos]
 

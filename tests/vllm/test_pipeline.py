@@ -29,10 +29,10 @@ from tests.conftest import _clean
 from tests.integration import harness
 from tests.integration.test_jobs import _until
 from tests.vllm.conftest import Reference, cluster_overlay
-from workers.launcher import ClusterProcesses, gateway_url, wait_cluster_ready
-from workers.openai_api import ChatMessage, chatml_prompt
-from workers.runtime import WALL
-from workers.services import ServiceEndpoints
+from workers.gateway.openai_api import ChatMessage, chatml_prompt
+from workers.local.launcher import ClusterProcesses, gateway_url, wait_cluster_ready
+from workers.local.services import ServiceEndpoints
+from workers.shell.runtime import WALL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -1,0 +1,7 @@
+"""`python -m workers.cli` is `rackflow` (the role processes are started this way)."""
+
+import sys
+
+from workers.cli.main import main
+
+sys.exit(main())

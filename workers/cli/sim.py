@@ -1,0 +1,164 @@
+"""`rackflow sim run|compare|experiment`: the simulator's shell — reads traces and config files, shows progress,
+prints JSON/tables, draws PNGs. The simulation itself is `pipeline.sim` (pure)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RackflowConfig
+from pipeline.sim.simulator import SimParams, SimResult
+from workers.sim.harness import (
+    AZURE_CONV,
+    REPO,
+    format_table,
+    parse_faults,
+    plot_compare,
+    prepare_requests,
+    run_once,
+    sim_config,
+)
+
+
+def _common(args: argparse.Namespace, policy: str | None) -> tuple[RackflowConfig, SimParams]:
+    cfg = sim_config(Path(args.config_dir), [Path(p) for p in args.config], args.cluster, policy,
+                     {"batcher": {"window_ms": args.window_ms}} if args.window_ms else None)
+    params = SimParams(batching=args.batching, fixed_batch=args.fixed_batch, prefix_cache=not args.no_prefix_cache)
+    return cfg, params
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    default_trace(args)
+    seed = args.seed
+    if args.action == "run":
+        cfg, params = _common(args, args.policy)
+        cfg = _with_seed(cfg, seed)
+        reqs = prepare_requests(args, seed)
+        out, res = run_once(cfg, reqs, params, parse_faults(args.faults), args.model, not args.no_progress)
+        out["policy"] = cfg.policies.node_selection.policy
+        out["trace"] = args.trace or "synthetic"
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            plot_compare({out["policy"]: res}, Path(args.out) / "sim.png", "simulation")
+            (Path(args.out) / "sim.json").write_text(json.dumps(out, indent=2, sort_keys=True))
+        _emit(out, args.json)
+        return 0 if out["completed"] + out["dropped"] == out["requests"] else 1
+    if args.action == "matrix":
+        from workers.sim.matrix import cmd_matrix
+
+        return cmd_matrix(args)
+    if args.action == "trace":
+        return cmd_trace(args)
+    if args.action == "compare":
+        policies = [p.strip() for p in (args.policies or COMPARE_POLICIES).split(",") if p.strip()]
+        reqs = prepare_requests(args, seed)
+        rows: dict[str, dict[str, Any]] = {}
+        results: dict[str, SimResult] = {}
+        for pol in policies:
+            cfg, params = _common(args, pol)
+            cfg = _with_seed(cfg, seed)
+            rows[pol], results[pol] = run_once(cfg, reqs, params, parse_faults(args.faults), args.model,
+                                               not args.no_progress, label=pol)
+        out_dir = Path(args.out or "report/sim-compare")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plot_compare(results, out_dir / "compare.png", f"{len(reqs)} requests")
+        (out_dir / "compare.json").write_text(json.dumps(rows, indent=2, sort_keys=True))
+        if args.json:
+            print(json.dumps(rows, sort_keys=True))
+        else:
+            print(format_table(rows))
+            print(f"plots: {out_dir / 'compare.png'}")
+        return 0
+    from workers.sim.experiments import run_experiment
+
+    return run_experiment(args)
+
+
+COMPARE_POLICIES = "round_robin,weighted,least_outstanding,kv_aware,work_aware"
+MULTITURN = REPO / "data" / "traces" / "synthetic" / "multiturn.jsonl"
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """`rackflow sim trace multiturn [--out PATH]`: write the multi-turn synthetic trace (Mooncake JSONL + user_id)."""
+    from pipeline.sim.traces import MultiTurnSpec, multiturn, to_jsonl
+    from pipeline.tokens import prefix_hashes_from_ids
+
+    if args.name != "multiturn":
+        print(f"rackflow sim trace: unknown trace {args.name!r}; available: multiturn", file=sys.stderr)
+        return 2
+    cfg = sim_config(Path(args.config_dir), [Path(p) for p in args.config], args.cluster, None)
+    spec = MultiTurnSpec(block_tokens=cfg.policies.profiling.prefix_block_tokens)
+    if args.requests:
+        spec = MultiTurnSpec(conversations=max(1, args.requests // 4), block_tokens=spec.block_tokens)
+    reqs = multiturn(spec, random.Random(args.seed), prefix_hashes_from_ids)
+    path = Path(args.out or MULTITURN)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for r in reqs:
+            fh.write(to_jsonl(r) + "\n")
+    print(f"wrote {len(reqs)} requests over {reqs[-1].arrival_ms / 1000:.0f} s to {path}" if reqs else "no requests")
+    return 0
+
+
+def _with_seed(cfg: RackflowConfig, seed: int) -> RackflowConfig:
+    return cfg.model_copy(update={"policies": cfg.policies.model_copy(update={"seed": seed})})
+
+
+def _emit(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(out, sort_keys=True))
+        return
+    for k, v in out.items():
+        print(f"{k:<22} {v}")
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies")
+    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace"])
+    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto; "
+                                           "trace: multiturn")
+    s.add_argument("--trace", default=None, help=f"trace file (default for azure: {AZURE_CONV.relative_to(REPO)})")
+    s.add_argument("--format", default="azure", choices=["azure", "mooncake", "synthetic"])
+    s.add_argument("--cluster", default=None, help="YAML with a `cluster:` (and optionally other sections) "
+                                                   "merged over configs/")
+    s.add_argument("--policy", default=None, help="node policy (default: node_selection.policy)")
+    s.add_argument("--policies", default=None,
+                   help=f"compare: comma-separated node policies (default {COMPARE_POLICIES}); matrix: default all")
+    s.add_argument("--traces", default=None, help="matrix: PATH:FORMAT,... (FORMAT azure|mooncake; default the Azure "
+                                                  "conv and code traces and the Mooncake trace)")
+    s.add_argument("--loads", default=None, help="matrix: fractions of capacity (default 0.5,0.8,1.0,1.5)")
+    s.add_argument("--states", default=None, help="matrix: healthy,slow,death (default all three)")
+    s.add_argument("--repeats", type=int, default=1, help="matrix: runs per cell with other user draws and seeds, "
+                                                          "latencies pooled")
+    s.add_argument("--jobs", type=int, default=None, help="matrix: worker processes (default: the CPU count)")
+    s.add_argument("--model", default=None, help="model of the trace's requests (default: the first served)")
+    s.add_argument("--rate-scale", type=float, default=None, help="multiply the request rate (default 1; "
+                                                                  "experiments pick their own)")
+    s.add_argument("--sizes", default=None, help="scale-pareto: GPU counts, e.g. 64,128,256,512,1024")
+    s.add_argument("--requests", type=int, default=None, help="use the first N requests")
+    s.add_argument("--superpose", type=int, default=1, help="K independent copies of the trace over the same hour "
+                                                            "(K x the load; 11 x Azure conv = the seed's 5 M/day)")
+    s.add_argument("--users", type=int, default=2000, help="users drawn (Zipf) for requests without one")
+    s.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of user popularity")
+    s.add_argument("--shared-prefix-blocks", type=int, default=0,
+                   help="requests of one user share this many 512-token prefix blocks (system prompt)")
+    s.add_argument("--batching", choices=["window", "fixed"], default="window")
+    s.add_argument("--fixed-batch", type=int, default=32)
+    s.add_argument("--window-ms", type=int, default=None)
+    s.add_argument("--no-prefix-cache", action="store_true")
+    s.add_argument("--faults", default=None, help="NODE@SECONDS:KIND[:DURATION_S[:FACTOR]],... "
+                                                  "KIND death|xid|slow")
+    s.add_argument("--seed", type=int, default=20231116)
+    s.add_argument("--out", default=None, help="directory for JSON and PNG output")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=cmd_sim)
+
+
+def default_trace(args: argparse.Namespace) -> None:
+    if args.trace is None and args.format == "azure":
+        args.trace = str(AZURE_CONV)

@@ -1,0 +1,172 @@
+"""Celery: the control plane's tasks (queue `control`) and async jobs (queue `jobs`), on the Redis/Valkey broker.
+
+Tasks are thin and idempotent (Celery's own advice, and the seed's UUID + version rule): they take ids, re-read the
+state they act on, run with `acks_late` + `reject_on_worker_lost` (a worker killed mid-task gets the task
+redelivered), and retry with exponential backoff and jitter on transient errors only (etcd or Redis unreachable).
+The work itself is in `workers.control.failover`.
+
+`rackflow celery-worker` configures the app from the same config and URLs as every role and starts a worker;
+`configure()` does the same for clients (the monitor) that only send tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from celery import Celery
+from kombu import Queue
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pipeline.config import RackflowConfig
+from streams.errors import TransientStreamError
+from workers.stores.etcd import EtcdUnavailable
+
+log = logging.getLogger(__name__)
+
+# the worker imports the job tasks (`workers.control.jobs`, queue `jobs`) at start; they import this module for `app`
+app = Celery("rackflow", include=["workers.control.jobs"])
+app.conf.update(
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_default_queue="control",
+    task_queues=(Queue("control"), Queue("jobs")),
+    task_routes={"rackflow.jobs.*": {"queue": "jobs"}, "rackflow.*": {"queue": "control"}},
+    result_expires=24 * 3600,
+    task_track_started=True,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    broker_connection_retry_on_startup=True,
+    # a task taken by a worker that was killed outright (not just a pool child) comes back after this long; the
+    # monitor re-sends a drain that left work behind sooner (`Monitor.redrive`), so this is only the backstop
+    broker_transport_options={"visibility_timeout": 60},
+)
+
+TRANSIENT = (EtcdUnavailable, TransientStreamError, RedisConnectionError, RedisTimeoutError, ConnectionError,
+             TimeoutError)
+RETRY = {"autoretry_for": TRANSIENT, "retry_backoff": 0.2, "retry_backoff_max": 10, "retry_jitter": True,
+         "max_retries": 12, "acks_late": True, "reject_on_worker_lost": True}
+
+_state: dict[str, Any] = {}
+T = TypeVar("T")
+
+
+BROKER_ENV = "RACKFLOW_CELERY_BROKER_URL"
+
+
+def broker_url(redis_url: str) -> str:
+    """Celery's broker and result backend: env RACKFLOW_CELERY_BROKER_URL, else the streams' Redis. Celery's Redis
+    transport (kombu) cannot use Redis Cluster, so with a `redis+cluster://` streams URL a separate single
+    Valkey/Redis (or Sentinel) URL must be given; say so instead of failing later inside kombu."""
+    import os
+
+    from streams.runner import is_cluster_url
+
+    url = os.environ.get(BROKER_ENV) or redis_url
+    if is_cluster_url(url):
+        raise ValueError(
+            f"Celery (kombu) cannot use a Redis Cluster as its broker ({url.split('@')[-1]}); set {BROKER_ENV} to a "
+            "single Valkey/Redis, e.g. redis://broker-host:6379/0 (the streams stay on the cluster)"
+        )
+    return url
+
+
+def configure(config: RackflowConfig, redis_url: str, etcd_url: str) -> Celery:
+    app.conf.broker_url = broker_url(redis_url)
+    app.conf.result_backend = app.conf.broker_url
+    _state.update(config=config, redis_url=redis_url, etcd_url=etcd_url)
+    return app
+
+
+def _run(coro_fn: Any, *args: Any) -> Any:
+    """Run a failover coroutine on this worker process's own event loop (kept across tasks, with its connections)."""
+    from workers.control.failover import FailoverContext
+
+    loop: asyncio.AbstractEventLoop | None = _state.get("loop")
+    if loop is None or loop.is_closed():
+        loop = asyncio.new_event_loop()
+        _state["loop"] = loop
+    ctx = _state.get("ctx")
+    if ctx is None:
+        if "config" not in _state:
+            raise RuntimeError("celery app not configured: start workers with `rackflow celery-worker`")
+        ctx = loop.run_until_complete(_open(FailoverContext))
+        _state["ctx"] = ctx
+    coro: Coroutine[Any, Any, Any] = coro_fn(ctx, *args)
+    return loop.run_until_complete(coro)
+
+
+async def _open(cls: Any) -> Any:
+    return cls.open(_state["config"], _state["redis_url"], _state["etcd_url"])
+
+
+@app.task(name="rackflow.drain_node", bind=True, **RETRY)  # type: ignore[untyped-decorator]
+def drain_node(self: Any, node: str) -> dict[str, Any]:
+    """Move every live sequence off `node` (one task per sequence) and requeue what it never started (here, before
+    its stream entries are acknowledged). Safe to run again: moved sequences and finished requests are skipped."""
+    from workers.control.failover import drain_unstarted, plan_drain
+    from workers.shell import metrics
+    from workers.shell.runtime import log_context
+
+    with log_context(node=node):
+        plan = _run(plan_drain, node)
+        for seq_id, version, dst in plan.migrate:
+            migrate_sequence.apply_async((seq_id, version, node, dst), queue="control")
+        requeued = _run(drain_unstarted, node, plan)
+        log.info("drain %s: %d migrations, %d requeues", node, len(plan.migrate), requeued)
+    metrics.FAILOVER_DRAINS.inc()
+    return {"node": node, "migrations": len(plan.migrate), "requeues": requeued}
+
+
+@app.task(name="rackflow.migrate_sequence", bind=True, **RETRY)  # type: ignore[untyped-decorator]
+def migrate_sequence(self: Any, seq_id: str, version: int, src: str, dst: str | None) -> dict[str, Any]:
+    """(src, version) -> (dst, version + 1); idempotent: a repeat finds the record moved and does nothing."""
+    from workers.control.failover import migrate_sequence as move
+    from workers.shell import metrics
+    from workers.shell.runtime import log_context
+
+    with log_context(request_id=seq_id, seq_id=seq_id, node=src, dst=dst or ""):
+        report = _run(move, seq_id, version, src, dst)
+    metrics.FAILOVER_MIGRATIONS.labels(report.outcome).inc()
+    if report.outcome == "moved":
+        metrics.FAILOVER_MIGRATION_MS.observe(report.ms)
+    if report.outcome in ("missing", "no-target"):
+        requeue_request.apply_async((seq_id, version, src), queue="control")
+    return dict(report.as_dict())
+
+
+@app.task(name="rackflow.requeue_request", bind=True, **RETRY)  # type: ignore[untyped-decorator]
+def requeue_request(self: Any, seq_id: str, version: int, src: str) -> str:
+    """Back to the rack's batcher at version + 1; idempotent (a finished or already moved request is left)."""
+    from workers.control.failover import requeue_request as requeue
+    from workers.shell import metrics
+    from workers.shell.runtime import log_context
+
+    with log_context(request_id=seq_id, seq_id=seq_id, node=src):
+        outcome = str(_run(requeue, seq_id, version, src))
+    metrics.FAILOVER_REQUEUES.labels(outcome).inc()
+    return outcome
+
+
+def send(name: str, *args: Any) -> Any:
+    """Enqueue a control task by name (from a process that only sends: the monitor)."""
+    return app.send_task(f"rackflow.{name}", args=args, queue="control")
+
+
+def worker_main(config: RackflowConfig, redis_url: str, etcd_url: str, concurrency: int, queues: str,
+                loglevel: str, pool: str = "prefork") -> int:
+    """`pool`: prefork (default; a revoked job's task is terminated at once) or threads (for a worker of the `jobs`
+    queue only: a job task mostly waits for its result, so one process can wait for many; a revoked job then ends
+    when its aborted request's result arrives)."""
+    configure(config, redis_url, etcd_url)
+    argv = ["worker", f"--concurrency={concurrency}", f"--queues={queues}", f"--loglevel={loglevel}",
+            f"--pool={pool}", "--without-gossip", "--without-mingle", "-E"]
+    app.worker_main(argv)
+    return 0

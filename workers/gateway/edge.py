@@ -1,0 +1,146 @@
+"""The edge of the HTTP gateway: the typed API error every endpoint answers with (4xx/5xx JSON in OpenAI's error
+shape, with a message that says what to change), and the request steps the OpenAI endpoints (`http.py`) and the
+jobs API (`jobs_api.py`) share. Both modules import this one, never each other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from redis.exceptions import NoPermissionError, RedisError
+
+from pipeline.config import RackflowConfig
+from workers.gateway.auth import Authenticator, AuthError, Principal
+from workers.gateway.openai_api import (
+    error_body,
+)
+from workers.stores.ingress import Gateway, RequestRejected
+
+_STATUS_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+
+
+class ApiError(Exception):
+    """An answer other than success; `code` is machine-readable and also the `reason` label of the rejected count."""
+
+    def __init__(
+        self, status: int, message: str, code: str, param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, _STATUS_TYPE.get(self.status, "server_error"), self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _from_rejected(e: RequestRejected) -> ApiError:
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+    return ApiError(e.status, str(e), e.code, e.param, headers)
+
+
+def _from_auth(e: AuthError) -> ApiError:
+    headers = None
+    if e.status == 401:
+        challenge = 'Bearer realm="rackflow"'
+        if e.code != "missing_token":
+            challenge += ', error="invalid_token"'
+        headers = {"WWW-Authenticate": challenge}
+    return ApiError(e.status, str(e), e.code, None, headers)
+
+
+def _store_down(e: RedisError, retry_after_s: int = 1) -> ApiError:
+    if isinstance(e, NoPermissionError):  # a misconfigured ACL, not an outage: the gateway log names the grant
+        return ApiError(503, "the gateway's stream-store user lacks a permission it needs (the gateway log names "
+                        "it); retry after an operator fixes the ACL", "store_forbidden",
+                        headers={"Retry-After": str(retry_after_s)})
+    return ApiError(503, f"the gateway cannot reach its stream store; retry later ({type(e).__name__})",
+                    "store_unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
+class Edge:
+    """The steps every endpoint shares, the OpenAI ones and the jobs API alike: who is calling (auth), the body
+    within its size limit, the model it may use, and the ingress (`Gateway`) it submits to once started."""
+
+    def __init__(self, config: RackflowConfig, authn: Authenticator) -> None:
+        self.config = config
+        self.authn = authn
+        self._gateway: Gateway | None = None
+
+    @property
+    def gateway(self) -> Gateway:
+        if self._gateway is None:
+            raise RuntimeError("the gateway is not started (lifespan not run)")
+        return self._gateway
+
+    def attach(self, gateway: Gateway | None) -> None:
+        self._gateway = gateway
+
+    # -- common steps ------------------------------------------------------------------------------------------
+    def principal(self, request: Request) -> Principal:
+        try:
+            return self.authn.verify(request.headers.get("authorization"))
+        except AuthError as e:
+            raise _from_auth(e) from None
+
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, refused with 413 as soon as more than gateway.max_body_bytes arrived (whatever the
+        Content-Length said: chunked bodies have none)."""
+        limit = self.config.gateway.max_body_bytes
+        too_big = ApiError(413, f"request body is larger than {limit} bytes (gateway.max_body_bytes)",
+                           "body_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_content_length(self, request: Request) -> None:
+        cl = request.headers.get("content-length")
+        if cl is None:
+            return
+        limit = self.config.gateway.max_body_bytes
+        try:
+            n = int(cl)
+        except ValueError:
+            raise ApiError(400, "Content-Length is not a number", "invalid_header", "Content-Length") from None
+        if n > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes (gateway.max_body_bytes)",
+                           "body_too_large")
+
+    def select_model(self, request: Request, body_model: str | None, principal: Principal) -> str:
+        model = body_model or request.headers.get("x-model") or principal.default_model
+        if not model:
+            raise ApiError(
+                400, "no model given: set `model` in the body, the X-Model header, or a `model` claim in the token",
+                "model_required", "model",
+            )
+        try:
+            principal.require_model(model)
+        except AuthError as e:
+            raise _from_auth(e) from None
+        return model

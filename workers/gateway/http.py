@@ -1,0 +1,591 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI app + uvicorn in front of the gateway core (`workers.stores.ingress`).
+
+Owns the HTTP edge of the request path (ARCHITECTURE §1): bearer-token auth and per-model authorization, body
+limits and validation, model selection (body `model`, else `X-Model`, else the token's `model` claim), the per-request
+node policy (`X-Route-Policy`), admission through `Gateway.admit`, and the answers: JSON, or Server-Sent Events
+relayed from the request's own token stream as the chunks arrive. Also `/v1/models`, `/v1/results/{id}`, `/healthz`
+and `/metrics` (Prometheus, one registry per app).
+
+Rules it keeps:
+- every error is an OpenAI-style JSON body `{"error": {message, type, param, code}}` with the right status, never a
+  traceback; a rejected request never reaches `rf:ingress`;
+- a request that got a 2xx always ends with its final result or an error (SSE error event, or 502/503/504 JSON);
+- a tenant only ever reads its own requests: the token stream of the request it sent in the same HTTP call, and
+  `/v1/results/{id}` only when the result's tenant is the caller's tenant (404 otherwise, never the content).
+It must never decide routing or batching, never read another request's stream, and never log prompts or tokens.
+`/healthz` and `/metrics` answer without a token: expose them on the private network only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import redis.asyncio as aioredis
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.config import RackflowConfig
+from pipeline.events import REQUEST_ID, RequestEvent, ResultEvent, TokenEvent
+from pipeline.profiling import ProfileInput
+from streams.runner import connect, is_cluster_url
+from workers.gateway.auth import Authenticator, Principal
+from workers.gateway.edge import ApiError, Edge, _from_rejected, _store_down
+from workers.gateway.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    chatml_prompt,
+    completion_chunk,
+    completion_response,
+    usage,
+    validation_message,
+)
+from workers.shell.runtime import WALL, bind_log_context
+from workers.stores.ingress import Gateway, RequestRejected
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Each streaming request holds one connection while it blocks in XREAD; the pool (gateway.redis_max_connections)
+# bounds them and makes a request wait (then fail with 503) instead of opening connections without limit.
+REDIS_POOL_WAIT_S = 5.0
+HEALTH_TIMEOUT_S = 2.0
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _from_result(result: ResultEvent) -> ApiError:
+    msg = result.error or "the request failed"
+    if result.status == "cancelled":
+        return ApiError(409, f"the request was cancelled: {msg}", "request_cancelled")
+    if "no healthy" in msg:
+        return ApiError(503, msg, "no_capacity")
+    return ApiError(502, f"the request failed in the cluster: {msg}", "upstream_error")
+
+
+def _timeout(request_id: str, timeout_s: float) -> ApiError:
+    return ApiError(
+        504,
+        f"no result for request {request_id} within {timeout_s:g}s; it may still finish: GET /v1/results/{request_id}",
+        "timeout",
+    )
+
+
+# -- metrics -----------------------------------------------------------------------------------------------------------
+class GatewayMetrics:
+    """The gateway's Prometheus series, in a registry of their own (one per app, so tests and apps never share)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("rackflow_gateway_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "code"], registry=r)
+        self.latency = Histogram(
+            "rackflow_gateway_request_seconds", "Time from request to the end of the response (streams included)",
+            ["endpoint"], registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
+        self.ttft = Histogram(
+            "rackflow_gateway_time_to_first_token_seconds", "Time from admission to the first generated token",
+            ["model"], registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.tokens = Counter("rackflow_gateway_tokens_streamed", "Generated tokens relayed to clients", ["model"],
+                              registry=r)
+        self.in_flight = Gauge("rackflow_gateway_in_flight_requests",
+                               "Admitted requests still waiting for their final result", registry=r)
+        self.results = Counter("rackflow_gateway_results", "Final outcome of admitted requests, by model and status "
+                               "(ok, error, cancelled, timeout)", ["model", "status"], registry=r)
+        self.completion = Histogram(
+            "rackflow_gateway_completion_seconds", "Admission to the final result of a completion, by model",
+            ["model"], registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600),
+        )
+        self.rejected = Counter("rackflow_gateway_rejected", "Requests answered with an error, by reason",
+                                ["reason"], registry=r)
+
+
+class _MetricsMiddleware:
+    """Counts every HTTP answer by route template and status, times it to its last byte, and turns an unexpected
+    exception into a logged 500 JSON answer (never a traceback to the client)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # the client sees a cut response, which is the truth
+            self.metrics.rejected.labels("internal_error").inc()
+            resp = ApiError(500, "internal error in the gateway; it has been logged", "internal_error").response()
+            await resp(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """SSE response that always watches for the client going away and then cancels the stream at once (the body
+    iterator's cleanup runs), whatever ASGI spec version the server reports."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self._wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, watcher):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
+            # cancelled while sending, the body generator sits at a `yield`: close it now, not when collected
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None and not isinstance(exc, OSError):  # a write to a closed connection is a disconnect
+            raise exc
+
+    @staticmethod
+    async def _wait_for_disconnect(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class _Admitted:
+    req: RequestEvent
+    principal: Principal
+    created: int
+    t0: float
+    stream: bool
+    include_usage: bool
+
+
+# -- the app -----------------------------------------------------------------------------------------------------------
+class _Api(Edge):
+    """The endpoints' logic, bound to one config, authenticator, metrics registry and (after start-up) Redis."""
+
+    def __init__(self, config: RackflowConfig, authn: Authenticator, metrics: GatewayMetrics) -> None:
+        super().__init__(config, authn)
+        self.metrics = metrics
+        self.started_s = int(time.time())
+
+    async def admit(self, request: Request, kind: str) -> _Admitted:
+        self.check_content_length(request)
+        principal = self.principal(request)
+        raw = await self.read_body(request)
+        body: CompletionRequest | ChatCompletionRequest
+        try:
+            if kind == "chat":
+                body = ChatCompletionRequest.model_validate_json(raw)
+            else:
+                body = CompletionRequest.model_validate_json(raw)
+        except ValidationError as e:
+            message, param = validation_message(e)
+            code = "invalid_json" if message.startswith("request body") else "invalid_value"
+            raise ApiError(400, message, code, param) from None
+        max_n = self.config.gateway.max_n
+        if body.n is not None and body.n > max_n:
+            raise ApiError(400, f"n={body.n} is not supported: at most {max_n} completion per request", "invalid_value",
+                           "n")
+        model = self.select_model(request, body.model, principal)
+        if isinstance(body, ChatCompletionRequest):
+            prompt = chatml_prompt(body.messages)
+            max_tokens = body.output_limit
+        else:
+            prompt = body.prompt
+            max_tokens = body.max_tokens
+        user_id = principal.sub if self.authn.enabled else (body.user or principal.sub)
+        inp = ProfileInput(
+            request_id=str(uuid.uuid4()),
+            tenant=principal.tenant,
+            user_id=user_id,
+            model=model,
+            arrival_ms=WALL.now_ms(),
+            prompt=prompt,
+            max_tokens=max_tokens,
+            route_policy=request.headers.get("x-route-policy", "").strip(),
+        )
+        bind_log_context(request_id=inp.request_id)  # this request's task: every line it logs carries the id
+        t0 = time.perf_counter()
+        try:
+            req = await self.gateway.admit(inp)
+        except RequestRejected as e:
+            if isinstance(body, ChatCompletionRequest) and e.param == "max_tokens":
+                e.param = body.output_limit_param
+            raise _from_rejected(e) from None
+        except RedisError as e:
+            log.warning("request %s: cannot admit, stream store error: %s", inp.request_id, e)
+            raise _store_down(e, self.config.gateway.retry_after_s) from None
+        log.debug("request %s admitted: tenant %s model %s in %d max %d", req.request_id, req.tenant, req.model,
+                  req.in_tokens, req.max_tokens)
+        return _Admitted(req, principal, int(time.time()), t0, body.streaming, body.include_usage)
+
+    def outputs(self, request_id: str) -> AsyncGenerator[TokenEvent | ResultEvent, None]:
+        """The request's own output stream (Gateway.outputs is an async generator: closed when we stop early)."""
+        return self.gateway.outputs(request_id)
+
+    def finish_reason(self, req: RequestEvent, result: ResultEvent) -> str:
+        return "length" if result.out_tokens >= req.max_tokens else "stop"
+
+    # -- generation --------------------------------------------------------------------------------------------
+    async def generate(self, request: Request, kind: str) -> Response:
+        adm = await self.admit(request, kind)
+        if adm.stream:
+            return _EventStreamResponse(self.sse(adm, kind), headers=_SSE_HEADERS)
+        return await self.collect(adm, kind)
+
+    def _finished(self, adm: _Admitted, status: str) -> None:
+        self.metrics.results.labels(adm.req.model, status).inc()
+        if status == "ok":
+            self.metrics.completion.labels(adm.req.model).observe(time.perf_counter() - adm.t0)
+
+    def _on_tokens(self, adm: _Admitted, ev: TokenEvent, first: bool) -> None:
+        if first:
+            self.metrics.ttft.labels(adm.req.model).observe(time.perf_counter() - adm.t0)
+        self.metrics.tokens.labels(adm.req.model).inc(len(ev.token_ids))
+
+    async def collect(self, adm: _Admitted, kind: str) -> JSONResponse:
+        req = adm.req
+        texts: list[str] = []
+        result: ResultEvent | None = None
+        self.metrics.in_flight.inc()
+        try:
+            async with aclosing(self.outputs(req.request_id)) as events:
+                async for ev in events:
+                    if isinstance(ev, TokenEvent):
+                        self._on_tokens(adm, ev, not texts)
+                        texts.append(ev.text)
+                    else:
+                        result = ev
+        except TimeoutError:
+            log.warning("request %s: no final result within %.0fs", req.request_id,
+                        self.config.gateway.request_timeout_s)
+            self._finished(adm, "timeout")
+            raise _timeout(req.request_id, self.config.gateway.request_timeout_s) from None
+        except RedisError as e:
+            log.warning("request %s: stream store error while waiting: %s", req.request_id, e)
+            raise _store_down(e) from None
+        finally:
+            self.metrics.in_flight.dec()
+        assert result is not None  # outputs() ends with the result or raises
+        self._finished(adm, result.status)
+        if result.status != "ok":
+            log.info("request %s failed: %s", req.request_id, result.error)
+            raise _from_result(result)
+        text = result.text or "".join(texts)
+        build = chat_response if kind == "chat" else completion_response
+        return JSONResponse(
+            build(req.request_id, req.model, adm.created, text, self.finish_reason(req, result), result.in_tokens,
+                  result.out_tokens)
+        )
+
+    async def sse(self, adm: _Admitted, kind: str) -> AsyncIterator[str]:
+        """SSE body: a chunk per TokenEvent as it arrives, the finish chunk, optional usage, `[DONE]`; errors after
+        admission become an error event followed by `[DONE]`, so the client always learns how its request ended."""
+        req = adm.req
+        rid, model, created = req.request_id, req.model, adm.created
+        chunk: Callable[..., dict[str, Any]]
+        if kind == "chat":
+            chunk = partial(chat_chunk, rid, model, created)
+        else:
+            chunk = partial(completion_chunk, rid, model, created)
+
+        def piece(text: str, finish: str | None = None) -> dict[str, Any]:
+            if kind == "chat":
+                return chunk({"content": text} if text else {}, finish)
+            return chunk(text, finish)
+
+        self.metrics.in_flight.inc()
+        first = True
+        error: ApiError | None = None
+        try:
+            if kind == "chat":
+                yield _sse(chunk({"role": "assistant", "content": ""}))
+            try:
+                async with aclosing(self.outputs(rid)) as events:
+                    async for ev in events:
+                        if isinstance(ev, TokenEvent):
+                            self._on_tokens(adm, ev, first)
+                            first = False
+                            if ev.text:
+                                yield _sse(piece(ev.text))
+                            continue
+                        self._finished(adm, ev.status)
+                        if ev.status != "ok":
+                            log.info("request %s failed: %s", rid, ev.error)
+                            error = _from_result(ev)
+                            break
+                        yield _sse(piece("", self.finish_reason(req, ev)))
+                        if adm.include_usage:
+                            u = usage(ev.in_tokens, ev.out_tokens)
+                            yield _sse(chunk({}, usage_=u, with_choice=False) if kind == "chat"
+                                       else chunk("", usage_=u, with_choice=False))
+            except TimeoutError:
+                log.warning("request %s: no final result within %.0fs (stream)", rid,
+                            self.config.gateway.request_timeout_s)
+                self._finished(adm, "timeout")
+                error = _timeout(rid, self.config.gateway.request_timeout_s)
+            except RedisError as e:
+                log.warning("request %s: stream store error while streaming: %s", rid, e)
+                error = _store_down(e)
+            except asyncio.CancelledError:
+                log.info("request %s: client went away; stream closed", rid)
+                raise
+            except Exception:
+                log.exception("request %s: unexpected error while streaming", rid)
+                error = ApiError(500, "internal error in the gateway; it has been logged", "internal_error")
+            if error is not None:
+                self.metrics.rejected.labels(error.code).inc()
+                yield _sse(error.body())
+            yield _SSE_DONE
+        finally:
+            self.metrics.in_flight.dec()
+
+    # -- reads -------------------------------------------------------------------------------------------------
+    def models(self, request: Request) -> JSONResponse:
+        principal = self.principal(request)
+        data = [
+            {"id": name, "object": "model", "created": self.started_s, "owned_by": "rackflow"}
+            for name in self.config.models
+            if self.config.racks_serving(name) and principal.allows(name)
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def result(self, request: Request, request_id: str) -> JSONResponse:
+        principal = self.principal(request)
+        rid = request_id.removeprefix("chatcmpl-").removeprefix("cmpl-")
+        not_found = ApiError(
+            404, f"no result for request {request_id!r} (unknown, not finished yet, expired, or not yours)",
+            "result_not_found", "request_id",
+        )
+        if not REQUEST_ID.match(rid):
+            raise not_found
+        try:
+            res = await self.gateway.result(rid)
+        except RedisError as e:
+            raise _store_down(e) from None
+        if res is None or res.tenant != principal.tenant:
+            raise not_found
+        return JSONResponse(
+            {
+                "id": res.request_id,
+                "object": "rackflow.result",
+                "status": res.status,
+                "model": res.model,
+                "text": res.text,
+                "error": res.error or None,
+                "usage": usage(res.in_tokens, res.out_tokens),
+                "timings": {
+                    "arrival_ms": res.arrival_ms,
+                    "first_token_ms": res.first_token_ms,
+                    "finish_ms": res.finish_ms,
+                },
+            }
+        )
+
+    async def healthz(self) -> JSONResponse:
+        try:
+            await asyncio.wait_for(self.gateway.r.ping(), HEALTH_TIMEOUT_S)
+        except (RedisError, OSError, TimeoutError) as e:
+            return JSONResponse({"status": "unavailable", "reason": f"redis: {type(e).__name__}"}, status_code=503,
+                                headers={"Retry-After": str(self.config.gateway.retry_after_s)})
+        return JSONResponse({"status": "ok"})
+
+
+def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_auth: bool) -> FastAPI:
+    """The gateway's ASGI app. Raises AuthSetupError (a ConfigError) at once when auth is on but has no key.
+
+    `etcd_url` is the sequence registry a job cancel finds the node of a running request in (without it, workers
+    still abort a cancelled request through its cancellation marker, within a status interval).
+    """
+    from workers.gateway.jobs_api import JobsApi
+
+    authn = Authenticator(config.gateway.auth, no_auth)
+    metrics = GatewayMetrics()
+    api = _Api(config, authn, metrics)
+    jobs_api = JobsApi(config, api, redis_url, etcd_url)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if is_cluster_url(redis_url):  # a cluster client keeps a pool per node
+            r = connect(redis_url, max_connections=config.gateway.redis_max_connections, socket_connect_timeout=5)
+        else:
+            pool = aioredis.BlockingConnectionPool.from_url(
+                redis_url, max_connections=config.gateway.redis_max_connections, timeout=REDIS_POOL_WAIT_S,
+                socket_connect_timeout=5,
+            )
+            r = aioredis.Redis(connection_pool=pool)
+        api.attach(Gateway(config, r))
+        await jobs_api.start(r)
+        log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")
+        try:
+            yield
+        finally:
+            await jobs_api.close()
+            api.attach(None)
+            await r.aclose()
+            await pool.disconnect()
+            log.info("gateway stopped; redis connections closed")
+
+    app = FastAPI(title="rackflow gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.api = api
+    app.state.metrics = metrics
+    app.state.etcd_url = etcd_url
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        metrics.rejected.labels(exc.code).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        path = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        err = ApiError(400, f"invalid request: {path}: {first.get('msg', 'invalid value')}", "invalid_value",
+                       path or None)
+        metrics.rejected.labels(err.code).inc()
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err = ApiError(404, f"no such endpoint: {request.method} {request.url.path}", "unknown_endpoint")
+        elif exc.status_code == 405:
+            err = ApiError(405, f"method {request.method} is not allowed on {request.url.path}",
+                           "method_not_allowed")
+        else:
+            err = ApiError(exc.status_code, str(exc.detail), "http_error")
+        metrics.rejected.labels(err.code).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=dict(exc.headers or {}) | err.headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return api.models(request)
+
+    @app.get("/v1/results/{request_id}")
+    async def results(request: Request, request_id: str) -> Response:
+        return await api.result(request, request_id)
+
+    jobs_api.register(app)  # POST /v1/jobs, GET|DELETE /v1/jobs/{id}, POST /v1/jobs/{id}/cancel
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return await api.healthz()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus the one `gateway listening on` line once the socket is bound, and exit status 0 after a clean
+    shutdown on SIGTERM/SIGINT (uvicorn would re-raise the signal after shutting down)."""
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.started:
+            return
+        host = self.config.host
+        port = self.servers[0].sockets[0].getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        log.info("gateway listening on http://%s:%d", shown, port)
+        print(f"gateway listening on http://{shown}:{port}", flush=True)
+
+    def capture_signals(self) -> Any:
+        import signal
+        from contextlib import contextmanager
+
+        @contextmanager
+        def handlers() -> Any:
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        return handlers()
+
+
+def serve(
+    config: RackflowConfig, redis_url: str, etcd_url: str | None, host: str | None, port: int | None, no_auth: bool
+) -> int:
+    """Run the gateway until SIGTERM/SIGINT; host/port default to gateway.host/gateway.port (port 0: any free)."""
+    app = create_app(config, redis_url, etcd_url, no_auth)
+    uv_config = uvicorn.Config(
+        app,
+        host=host or config.gateway.host,
+        port=config.gateway.port if port is None else port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        server_header=False,
+        timeout_keep_alive=config.gateway.keep_alive_s,
+        # open streams get this long to finish (their results stay readable at /v1/results/{id})
+        timeout_graceful_shutdown=config.gateway.shutdown_grace_s,
+    )
+    server = _Server(uv_config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,244 @@
+"""`rackflow replay report`: what happened in a recorded window, per 10 s, as an HTML page with PNG plots and a
+text summary: arrivals and latency percentiles, per-node load, window queue depth per rack, health scores (the live
+monitor's scorer over the recorded samples), migrations and DLQ entries; then the replay's verdict (match rate, or
+the decisions a what-if policy makes differently)."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RackflowConfig
+from pipeline.events import DecisionEvent, HealthEvent, RequestEvent, ResultEvent
+from pipeline.health import HealthSample, HealthScorer
+from pipeline.replay import summary
+from streams import keys
+from streams.replay_file import Header, read_records
+from workers.replay.rerun import decoded, replay
+
+BIN_MS = 10_000.0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, math.ceil(q / 100.0 * len(s)) - 1))
+    return s[k]
+
+
+def _ms(eid: str) -> float:
+    return float(eid.split("-", 1)[0])
+
+
+class Timeline:
+    """Per-bin aggregates over the counted window [since, until]."""
+
+    def __init__(self, header: Header, config: RackflowConfig) -> None:
+        self.t0 = header.since_ms
+        self.t1 = header.until_ms
+        self.scorer = HealthScorer(config.policies.health)
+        self.arrivals: dict[int, int] = defaultdict(int)
+        self.latency: dict[int, list[float]] = defaultdict(list)
+        self.ttft: dict[int, list[float]] = defaultdict(list)
+        self.errors: dict[int, int] = defaultdict(int)
+        self.load: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.queue: dict[str, dict[int, float]] = defaultdict(dict)
+        self.health: dict[str, dict[int, float]] = defaultdict(dict)
+        self.migrations: dict[int, int] = defaultdict(int)
+        self.dlq: dict[int, int] = defaultdict(int)
+        self.drained: list[tuple[float, str, str]] = []
+        self.totals: dict[str, int] = defaultdict(int)
+
+    def bin(self, ts: float) -> int | None:
+        if ts < self.t0 or ts > self.t1:
+            return None
+        return int((ts - self.t0) // BIN_MS)
+
+    def feed(self, stream: str, eid: str, ev: Any) -> None:
+        if isinstance(ev, HealthEvent):
+            if ev.source in ("nvml", "sim"):
+                v = self.scorer.observe(HealthSample(
+                    ev.node, ev.ts_ms, xid_errors=ev.xid_errors, ecc_errors=ev.ecc_errors,
+                    nvlink_crc_errors=ev.nvlink_crc_errors, temp_c=ev.temp_c, avg_latency_ms=ev.avg_latency_ms,
+                ))
+                b = self.bin(ev.ts_ms)
+                if b is not None:
+                    self.health[ev.node][b] = min(self.health[ev.node].get(b, 1.0), v.score)
+                    if v.changed:
+                        self.drained.append((ev.ts_ms, ev.node, ("draining: " + ", ".join(v.reasons)) if v.draining
+                                             else "recovered"))
+            else:
+                b = self.bin(ev.ts_ms)
+                if b is not None:
+                    self.load[ev.node][b].append(float(ev.running + ev.waiting))
+            return
+        if stream == keys.DLQ:
+            b = self.bin(_ms(eid))
+            if b is not None:
+                self.dlq[b] += 1
+                self.totals["dlq"] += 1
+            return
+        b = self.bin(_ms(eid))
+        if b is None:
+            return
+        if isinstance(ev, RequestEvent) and stream == keys.INGRESS:
+            self.arrivals[b] += 1
+            self.totals["requests"] += 1
+        elif isinstance(ev, ResultEvent) and stream == keys.RESULTS:
+            self.totals["results"] += 1
+            if ev.status == "ok":
+                self.latency[b].append(ev.finish_ms - ev.arrival_ms)
+                if ev.first_token_ms > 0:
+                    self.ttft[b].append(ev.first_token_ms - ev.arrival_ms)
+            else:
+                self.errors[b] += 1
+                self.totals["errors"] += 1
+        elif isinstance(ev, DecisionEvent):
+            if ev.kind == "migration":
+                self.migrations[b] += 1
+                self.totals["migrations"] += 1
+            elif ev.kind == "window":
+                rack = ev.rack or "?"
+                self.queue[rack][b] = max(self.queue[rack].get(b, 0.0), float(ev.scores.get("pending", 0.0)))
+
+    @property
+    def bins(self) -> int:
+        return max(1, math.ceil((self.t1 - self.t0) / BIN_MS))
+
+
+def _plots(tl: Timeline, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [i * BIN_MS / 1000.0 for i in range(tl.bins)]
+    names: list[str] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+
+    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    ax[0].bar(xs, [tl.arrivals.get(i, 0) / (BIN_MS / 1000) for i in range(tl.bins)], width=BIN_MS / 1000 * 0.9,
+              align="edge", color="#4c78a8", label="arrivals/s")
+    ax[0].bar(xs, [tl.errors.get(i, 0) / (BIN_MS / 1000) for i in range(tl.bins)], width=BIN_MS / 1000 * 0.9,
+              align="edge", color="#e45756", label="errors/s")
+    ax[0].set_ylabel("requests / s")
+    ax[0].legend(loc="upper right")
+    for q, c in ((50, "#54a24b"), (95, "#f58518"), (99, "#e45756")):
+        ax[1].plot(xs, [_pct(tl.latency.get(i, []), q) / 1000 for i in range(tl.bins)], marker=".", color=c,
+                   label=f"P{q} end-to-end")
+    ax[1].plot(xs, [_pct(tl.ttft.get(i, []), 95) / 1000 for i in range(tl.bins)], ls="--", color="#72b7b2",
+               label="P95 TTFT")
+    ax[1].set_ylabel("seconds")
+    ax[1].set_xlabel("seconds since the window start (10 s bins, by finish time)")
+    ax[1].legend(loc="upper right", fontsize=8)
+    save(fig, "latency.png")
+
+    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for node in sorted(tl.load):
+        ax[0].plot(xs, [(sum(v) / len(v)) if (v := tl.load[node].get(i)) else math.nan for i in range(tl.bins)],
+                   label=node)
+    ax[0].set_ylabel("running + waiting")
+    ax[0].set_title("per-node load (worker status)")
+    if tl.load:
+        ax[0].legend(loc="upper right", fontsize=7, ncol=4)
+    for rack in sorted(tl.queue):
+        ax[1].plot(xs, [tl.queue[rack].get(i, 0.0) for i in range(tl.bins)], label=rack)
+    ax[1].set_ylabel("requests waiting")
+    ax[1].set_title("window queue depth per rack (max after a close)")
+    ax[1].set_xlabel("seconds since the window start")
+    if tl.queue:
+        ax[1].legend(loc="upper right", fontsize=7)
+    save(fig, "load.png")
+
+    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for node in sorted(tl.health):
+        ax[0].plot(xs, [tl.health[node].get(i, math.nan) for i in range(tl.bins)], label=node, marker=".")
+    ax[0].set_ylim(-0.05, 1.05)
+    ax[0].set_ylabel("health score (min per bin)")
+    if tl.health:
+        ax[0].legend(loc="lower left", fontsize=7, ncol=4)
+    ax[1].bar(xs, [tl.migrations.get(i, 0) for i in range(tl.bins)], width=BIN_MS / 1000 * 0.45, align="edge",
+              color="#b279a2", label="migrations")
+    ax[1].bar([x + BIN_MS / 2000 for x in xs], [tl.dlq.get(i, 0) for i in range(tl.bins)],
+              width=BIN_MS / 1000 * 0.45, align="edge", color="#9d755d", label="DLQ entries")
+    ax[1].set_ylabel("count per 10 s")
+    ax[1].set_xlabel("seconds since the window start")
+    ax[1].legend(loc="upper right")
+    save(fig, "health.png")
+    return names
+
+
+def _table(rows: list[list[Any]], head: list[str]) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{body}</table>"
+
+
+def write_report(path: Path, header: Header, config: RackflowConfig, policy: str | None, out: Path,
+                 quiet: bool = True) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    tl = Timeline(header, config)
+    for stream, eid, ev in decoded(read_records(path)):
+        tl.feed(stream, eid, ev)
+    rp = replay(path, config, policy, header, quiet=quiet, max_differences=500)
+    rs = summary(rp.stats, rp.differences, rp.what_if, policy or config.policies.node_selection.policy)
+    plots = _plots(tl, out)
+    all_lat = [x for v in tl.latency.values() for x in v]
+    lat = {f"p{q}_ms": round(_pct(all_lat, q), 1) if all_lat else None for q in (50, 95, 99)}
+    facts = {
+        "window_s": round((header.until_ms - header.since_ms) / 1000.0, 1),
+        "entries": header.total,
+        "requests": tl.totals["requests"],
+        "results": tl.totals["results"],
+        "errors": tl.totals["errors"],
+        "migrations": tl.totals["migrations"],
+        "dlq": tl.totals["dlq"],
+        **lat,
+    }
+    kind = "What-if" if rs["what_if"] else "Replay"
+    lines = [
+        f"rackflow incident report: {path.name}",
+        f"window {facts['window_s']} s, {facts['entries']} stream entries recorded",
+        f"requests {facts['requests']}, final results {facts['results']}, errors {facts['errors']}, "
+        f"migrations {facts['migrations']}, DLQ entries {facts['dlq']}",
+        f"end-to-end latency P50/P95/P99 {lat['p50_ms']}/{lat['p95_ms']}/{lat['p99_ms']} ms",
+        f"{kind} with node policy {rs['policy']}: {rs['matched']}/{rs['decisions']} decisions as recorded "
+        f"({100 * float(rs['match_rate']):.2f}%), {rs['differences']} differences",
+    ]
+    lines += [f"health: +{(t - header.since_ms) / 1000:.1f} s {node} {what}" for t, node, what in tl.drained[:50]]
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    diff_rows = [[d.kind, d.request_id, f"{(d.ts_ms - header.since_ms) / 1000:.1f}", d.where, d.recorded,
+                  d.replayed] for d in rp.differences[:500]]
+    rec_nodes: dict[str, int] = rs["recorded_requests_per_node"]  # type: ignore[assignment]
+    rep_nodes: dict[str, int] = rs["replayed_requests_per_node"]  # type: ignore[assignment]
+    all_nodes = sorted(set(rec_nodes) | set(rep_nodes))
+    nodes_html = _table([[n, rec_nodes.get(n, 0), rep_nodes.get(n, 0)] for n in all_nodes],
+                        ["node", "recorded", "replayed"])
+    diff_html = (_table(diff_rows, ["kind", "request", "t (s)", "rack / model", "recorded", "replayed"]) if diff_rows
+                 else "<p>None: every decision came out as recorded.</p>")
+    title = html.escape(path.name)
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rackflow incident {title}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:2px 6px}}img{{max-width:100%}}</style></head><body>
+<h1>Incident {title}</h1>
+<pre>{html.escape(chr(10).join(lines))}</pre>
+<h2>Arrivals and latency</h2><img src="latency.png" alt="latency">
+<h2>Load and queue depth</h2><img src="load.png" alt="load">
+<h2>Health, migrations, dead letters</h2><img src="health.png" alt="health">
+<h2>{kind}: decisions that differ ({rs['differences']})</h2>
+{diff_html}
+<h2>Requests per node</h2>
+{nodes_html}
+</body></html>"""
+    (out / "index.html").write_text(page)
+    return {"report": str(out / "index.html"), "plots": plots, "summary": str(out / "summary.txt"), **facts,
+            "replay": rs}

@@ -1,0 +1,259 @@
+"""Windowing batcher process for one rack (`rackflow batcher --rack R`): consumer group "batcher" on
+`rf:rack:{R}:req`.
+
+Requests are held in the WindowBatcher (their stream entries deferred, so a batcher that dies loses nothing: its
+pending entries are claimed by another batcher of the rack). When the window closes, each BatchPlan becomes a
+BatchEvent appended to `rf:node:{N}:batch` plus a DecisionEvent; only then are the requests acknowledged.
+Requests that can never fit get an error result. Node views come from the live status with this batcher's own
+in-flight reservations subtracted (ReservationLedger).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from pipeline.batching.ledger import ReservationLedger
+from pipeline.batching.window import CloseReason, PendingRequest
+from pipeline.config import RackflowConfig
+from pipeline.events import BatchEvent, BlockEvent, DecisionEvent, RequestEvent
+from pipeline.replay import DrawLog, rack_batcher, window_record
+from pipeline.routing.node_policies.weighted import node_weight
+from pipeline.routing.prefix_index import BlockIndex
+from pipeline.routing.views import NodeView
+from streams import keys
+from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers.roles.router import error_result
+from workers.shell import metrics, tracing
+from workers.shell.runtime import WALL, consumer_name, log_context
+from workers.stores.cluster_view import ClusterView
+from workers.stores.etcd import NodeRegistry
+from workers.stores.prefix_feed import PrefixFeed
+from workers.stores.results import ResultWriter
+
+log = logging.getLogger(__name__)
+
+
+class Batcher:
+    def __init__(self, config: RackflowConfig, rack: str, redis_url: str, etcd_url: str) -> None:
+        if rack not in config.rack_names():
+            raise ValueError(f"unknown rack {rack!r}; racks: {', '.join(config.rack_names())}")
+        self.config = config
+        self.rack = rack
+        pol = config.policies
+        # The same construction replay uses; every node policy's draws are logged so each window record carries them.
+        self.draws = DrawLog()
+        self.r = connect(redis_url)
+        self.blocks = BlockIndex()
+        self.feed = PrefixFeed(self.r, [rack], self.blocks, keep_log=True)
+        """The rack's precise prefix index, from its nodes' block events (each close records what it applied)."""
+        self.window, self.policies = rack_batcher(config, rack, self.draws.factory, blocks=self.blocks)
+        self.ledger = ReservationLedger()
+        self.actor = consumer_name(f"batcher-{rack}")
+        self.registry = NodeRegistry(etcd_url)
+        self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms)
+        retention_ms = pol.streams.retention_s * 1000
+        self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
+        self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
+        self.consumer = StreamConsumer(
+            self.r, keys.rack_requests(rack), keys.GROUP_BATCHER, self.actor,
+            self._on_requests, now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=50,
+            claim_idle_ms=pol.streams.claim_idle_ms, max_deliveries=pol.streams.max_deliveries,
+            retention_ms=retention_ms, accepts=(RequestEvent,),
+        )
+        self._lock = asyncio.Lock()
+        self._arrived = asyncio.Event()
+        self._held: set[str] = set()
+        self._offered: list[tuple[str, int, float]] = []
+        self._to_ack: list[str] = []
+        """Entries of dispatched batches not acknowledged yet (an ack that failed is retried on the next tick)."""
+        self._idle_closes = 0
+        self._last_idle_ms = 0.0
+        self._blocks_seen: list[BlockEvent] = []
+        """Block events applied to the index since the last window record (replay applies them before it)."""
+        """Requests offered since the last close (id, version, enqueue time), for the window's replay record."""
+        self.batches = 0
+        self.dispatched = 0
+
+    async def _on_requests(self, deliveries: list[Delivery]) -> None:
+        now = WALL.now_ms()
+        async with self._lock:
+            for d in deliveries:
+                req = d.event
+                if not isinstance(req, RequestEvent):
+                    raise TypeError(f"expected a request on {d.stream}, got {type(req).__name__}")
+                d.defer()
+                if d.id in self._held:
+                    continue  # redelivery of an entry already waiting in the window
+                self._held.add(d.id)
+                self.window.offer(PendingRequest(req, d.id, now))
+                self._offered.append((req.request_id, req.version, now))
+        self._arrived.set()
+
+    def node_views(self, now: float) -> list[NodeView]:
+        views = []
+        for v in self.view.node_views(now, self.rack):
+            status = self.view.statuses.get(v.name)
+            views.append(self.ledger.apply(v, status.last_batch_entry if status else ""))
+        return views
+
+    async def tick(self) -> CloseReason:
+        async with self._lock:
+            await self._ack_dispatched()
+            now = WALL.now_ms()
+            nodes = self.node_views(now)
+            reason = self.window.close_reason(now, nodes)
+            if reason in (CloseReason.EMPTY, CloseReason.NOT_YET):
+                return reason
+            window_open = self.window.window_open_ms if self.window.window_open_ms is not None else now
+            self._blocks_seen.extend(self.feed.take_log())  # what the index learnt before this close
+            self.draws.take()  # nothing draws outside a close; start this close's log empty
+            outcome = self.window.close(now, nodes)
+            draws = self.draws.take()
+            record = None
+            if outcome.plans or outcome.rejections or self._offered:
+                record = window_record(
+                    actor=self.actor, rack=self.rack, policy=self.policies.default, reason=reason.value, now_ms=now,
+                    nodes=nodes, offered=self._offered, draws=draws, pending_after=outcome.waiting,
+                    idle_closes=self._idle_closes, last_idle_ms=self._last_idle_ms, blocks=self._blocks_seen,
+                )
+                self._blocks_seen = []
+                self._offered = []
+                self._idle_closes = 0
+            else:
+                # A close that placed, rejected and received nothing (requests waiting for memory) only ages the
+                # waiting ones: replay re-applies it from a count on the next record instead of one entry each.
+                self._idle_closes += 1
+                self._last_idle_ms = now
+            sent = 0  # plans whose batch entry is written (dispatched, whatever fails after)
+            try:
+                for plan in outcome.plans:
+                    batch_id = str(uuid.uuid4())
+                    requests = tuple(p.request for p in plan.requests)
+                    if tracing.TRACER is not None:  # a span per traced request; the worker's spans are its children
+                        requests = tracing.dispatch(requests, [p.enqueued_ms for p in plan.requests], now,
+                                                    rack=self.rack, node=plan.node, batch_id=batch_id)
+                    batch = BatchEvent(
+                        batch_id=batch_id, rack=self.rack, node=plan.node,
+                        requests=requests, mem_est_kb=plan.mem_est_kb,
+                        mem_budget_kb=plan.budget_kb, window_open_ms=window_open, created_ms=now,
+                    )
+                    entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
+                    sent += 1
+                    self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests),
+                                       sum(p.request.in_tokens for p in plan.requests))
+                    await self.producer.add_many(
+                        (keys.DECISIONS, DecisionEvent(
+                            kind="dispatch", policy=c.policy, choice=c.node, request_ids=c.request_ids, ts_ms=now,
+                            scores=dict(c.scores), draw=c.draw, batch_id=batch.batch_id, rack=self.rack,
+                            actor=self.actor,
+                        ))
+                        for c in plan.choices
+                    )
+                    ids = [p.entry_id for p in plan.requests]
+                    self._to_ack.extend(ids)  # acked below, and again next tick if the ack fails
+                    await self._ack_dispatched()
+                    self.batches += 1
+                    self.dispatched += len(plan.requests)
+                    metrics.BATCHES.labels(self.rack, plan.node, plan.choices[0].policy if plan.choices else "").inc()
+                    metrics.BATCH_REQUESTS.labels(self.rack).observe(len(plan.requests))
+                    metrics.BATCH_MEM_UTIL.labels(self.rack).observe(plan.utilisation)
+                    for p in plan.requests:
+                        metrics.BATCH_WAIT_MS.labels(self.rack).observe(max(0.0, now - p.enqueued_ms))
+                    if log.isEnabledFor(logging.DEBUG):
+                        with log_context(node=plan.node, batch_id=batch.batch_id):
+                            log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
+                                      batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation,
+                                      reason.value)
+                for rej in outcome.rejections:
+                    metrics.REJECTED.labels(self.rack).inc()
+                    await self.results.write(error_result(rej.pending.request, rej.reason, rack=self.rack))
+                    await self.consumer.ack([rej.pending.entry_id])
+                    self._held.discard(rej.pending.entry_id)
+            except Exception:
+                # Valkey went away mid-close (a restart, a failover): what was not dispatched goes back into the
+                # window (its stream entries are still held and unacknowledged), or it would be lost to this
+                # batcher; dispatched plans' acks are retried on the next tick.
+                for plan in outcome.plans[sent:]:
+                    for p in plan.requests:
+                        self.window.offer(PendingRequest(p.request, p.entry_id, p.enqueued_ms))
+                        self._offered.append((p.request.request_id, p.request.version, p.enqueued_ms))
+                for rej in outcome.rejections:
+                    if rej.pending.entry_id in self._held:
+                        self.window.offer(rej.pending)
+                raise
+            if record is not None:
+                await self.producer.add(keys.DECISIONS, record)
+            return reason
+
+    async def _ack_dispatched(self) -> None:
+        if self._to_ack:
+            ids = list(self._to_ack)
+            await self.consumer.ack(ids)
+            self._held.difference_update(ids)
+            del self._to_ack[: len(ids)]
+
+    async def _tick_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("rack %s: window tick failed", self.rack)
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=0.01)
+            except TimeoutError:
+                pass
+
+    async def _publish_backlog(self) -> None:
+        """The prompt tokens this batcher holds, for the router's work figure of the rack."""
+        tokens = sum(p.request.in_tokens for p in self.window.pending)
+        await self.r.hset(keys.rack_status(self.rack), mapping={f"tokens:{self.actor}": str(tokens),
+                                                                 f"ts:{self.actor}": str(WALL.now_ms())})
+
+    async def _refresh_loop(self, stop: asyncio.Event) -> None:
+        interval = self.config.policies.node_selection.refresh_ms / 1000.0
+        while not stop.is_set():
+            try:
+                await self.view.refresh()
+                await self._publish_backlog()
+                self._export_metrics()
+            except Exception as e:
+                log.warning("rack %s: cluster view refresh failed: %s", self.rack, e)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except TimeoutError:
+                pass
+
+    def _export_metrics(self) -> None:
+        """The weighted policy's W of each node of the rack as this batcher sees it (its reservations applied), and
+        each node's share of the rack's W (its dispatch probability under `weighted`)."""
+        views = self.node_views(WALL.now_ms())
+        k = self.config.policies.node_selection.latency_decay_per_ms
+        weights = {v.name: node_weight(v, k) for v in views}
+        total = sum(weights.values())
+        for v in views:
+            metrics.NODE_WEIGHT.labels(self.rack, v.name).set(weights[v.name])
+            metrics.NODE_WEIGHT_SHARE.labels(self.rack, v.name).set(weights[v.name] / total if total > 0 else 0.0)
+            metrics.NODE_ACTIVE.labels(self.rack, v.name).set(1.0 if v.active else 0.0)
+
+    async def run(self, stop: asyncio.Event) -> int:
+        await self.view.refresh()
+        tasks = [
+            asyncio.create_task(self._refresh_loop(stop)),
+            asyncio.create_task(self._tick_loop(stop)),
+            asyncio.create_task(self.consumer.run()),
+            asyncio.create_task(self.feed.run(stop)),
+        ]
+        log.info("batcher for rack %s ready", self.rack)
+        await stop.wait()
+        self.consumer.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Requests still in the window stay pending in the stream: another batcher of the rack claims them.
+        await self.consumer.close()
+        await self.registry.close(revoke=False)
+        await self.r.aclose()
+        log.info("batcher %s stopped (%d batches, %d requests, %d left pending)", self.rack, self.batches,
+                 self.dispatched, self.window.pending_count)
+        return 0

@@ -1,0 +1,216 @@
+"""Monitor process (`rackflow monitor`): the cluster's failure detector and the one that starts failover.
+
+- One active monitor at a time: candidates race for `/rackflow/monitor/leader` under an etcd lease; the leader keeps
+  it alive, and when it dies another takes over within the lease TTL. Only the leader consumes `rf:health` (consumer
+  group "failover"); a new leader resumes the group where the old one stopped and claims what it left pending.
+- Health: every agent sample (NVML or sim) goes through the HealthScorer (weights, hysteresis). A node whose score
+  falls below the threshold, whose worker lease expired (killed, crashed, partitioned), or whose agent heartbeat
+  stopped is marked `draining`/`dead` in etcd (`/rackflow/admin/{node}`: routers and batchers stop sending to it at
+  their next refresh) and a Celery `drain_node` task moves its live sequences away. A node that recovers (score back
+  above the recovery threshold for long enough, or a fresh worker registered after a death) is cleared.
+- Every verdict is also a DecisionEvent on `rf:decisions` (kind `failover`), so replay can explain it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Any
+
+from pipeline.config import RackflowConfig
+from pipeline.events import DecisionEvent, HealthEvent
+from pipeline.health import HealthSample, HealthScorer
+from streams import keys
+from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers.control import app as celery_app
+from workers.shell import metrics
+from workers.shell.runtime import WALL, log_context
+from workers.stores.etcd import EtcdStoreError, LeaderElection, NodeAdmin, NodeRegistry, SequenceRegistry
+
+log = logging.getLogger(__name__)
+
+
+class Monitor:
+    def __init__(self, config: RackflowConfig, redis_url: str, etcd_url: str, check_ms: int = 500,
+                 redrive_ms: int = 5000) -> None:
+        self.config = config
+        self.redis_url = redis_url
+        self.etcd_url = etcd_url
+        self.identity = f"monitor@{socket.gethostname()}:{os.getpid()}"
+        self.r = connect(redis_url)
+        self.registry = NodeRegistry(etcd_url)
+        self.admin = NodeAdmin(self.registry.client)
+        self.election = LeaderElection(self.registry.client, self.identity, ttl_s=3)
+        self.scorer = HealthScorer(config.policies.health)
+        self.check_ms = check_ms
+        self.redrive_ms = redrive_ms
+        """A drained node that still holds work this long after its last drain task gets another one."""
+        self.seqs = SequenceRegistry(self.registry.client)
+        self.last_drain: dict[str, float] = {}
+        sp = config.policies.streams
+        self.producer = StreamProducer(self.r, WALL.now_ms, sp.retention_s * 1000)
+        self.consumer: StreamConsumer | None = None
+        self.leader = False
+        self.seen_registered: set[str] = set()
+        self.seen_heartbeat: set[str] = set()
+        self.verdicts: dict[str, str] = {}
+        self.actions = 0
+        celery_app.configure(config, redis_url, etcd_url)
+
+    # -- leadership --------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> int:
+        log.info("monitor %s started", self.identity)
+        consume: asyncio.Task[None] | None = None
+        check: asyncio.Task[None] | None = None
+        while not stop.is_set():
+            try:
+                if not self.leader:
+                    if await self.election.try_acquire():
+                        self.leader = True
+                        metrics.MONITOR_LEADER.set(1)
+                        log.info("monitor %s is the leader", self.identity)
+                        self.verdicts = {k: str(v.get("state")) for k, v in (await self.admin.all()).items()}
+                        for n in self.config.nodes():
+                            metrics.set_node_state(n.name, self.verdicts.get(n.name, "active"))
+                        self.consumer = self._consumer()
+                        consume = asyncio.create_task(self.consumer.run())
+                        check = asyncio.create_task(self._check_loop())
+                elif not await self.election.keep():
+                    log.warning("monitor %s lost the leadership", self.identity)
+                    self.leader = False
+                    metrics.MONITOR_LEADER.set(0)
+                    await self._step_down(consume, check)
+                    consume = check = None
+            except EtcdStoreError as e:  # etcd restarting or without quorum: keep trying
+                log.warning("monitor %s: etcd unavailable (%s)", self.identity, e)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0 if self.leader else 0.5)
+            except TimeoutError:
+                pass
+        await self._step_down(consume, check)
+        if self.leader:
+            await self.election.resign()
+        await self.registry.close(revoke=False)
+        await self.r.aclose()
+        log.info("monitor %s stopped (%d actions)", self.identity, self.actions)
+        return 0
+
+    def _consumer(self) -> StreamConsumer:
+        sp = self.config.policies.streams
+        return StreamConsumer(
+            self.r, keys.HEALTH, "failover", self.identity, self._on_health, now_ms=WALL.now_ms, count=512,
+            block_ms=sp.block_ms, claim_idle_ms=sp.claim_idle_ms, max_deliveries=sp.max_deliveries,
+            retention_ms=sp.retention_s * 1000, accepts=(HealthEvent,),
+        )
+
+    async def _step_down(self, *tasks: asyncio.Task[None] | None) -> None:
+        if self.consumer is not None:
+            self.consumer.stop()
+        for t in tasks:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
+        if self.consumer is not None:
+            await self.consumer.close()
+            self.consumer = None
+
+    # -- health samples ----------------------------------------------------------------------------------------
+    async def _on_health(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            ev = d.event
+            if not isinstance(ev, HealthEvent) or ev.source not in ("nvml", "sim"):
+                continue  # the workers' own status events feed routing, not health verdicts
+            self.seen_heartbeat.add(ev.node)
+            verdict = self.scorer.observe(HealthSample(
+                ev.node, ev.ts_ms, xid_errors=ev.xid_errors, ecc_errors=ev.ecc_errors,
+                nvlink_crc_errors=ev.nvlink_crc_errors, temp_c=ev.temp_c, avg_latency_ms=ev.avg_latency_ms,
+            ))
+            metrics.HEALTH_SCORE.labels(ev.node).set(verdict.score)
+            if verdict.changed and verdict.draining:
+                await self._act(ev.node, "draining", f"health {verdict.score:.2f}: {', '.join(verdict.reasons)}",
+                                {"score": verdict.score})
+            elif verdict.changed and self.verdicts.get(ev.node) == "draining":
+                await self._clear(ev.node, f"recovered, health {verdict.score:.2f}")
+
+    # -- liveness ----------------------------------------------------------------------------------------------
+    async def _check_loop(self) -> None:
+        while True:
+            try:
+                await self.check_liveness()
+            except EtcdStoreError as e:
+                log.warning("monitor: liveness check skipped, etcd unavailable (%s)", e)
+            except Exception:
+                log.exception("monitor: liveness check failed")
+            await asyncio.sleep(self.check_ms / 1000.0)
+
+    async def check_liveness(self) -> None:
+        registered = set(await self.registry.nodes())
+        heartbeats = await self.admin.heartbeats()
+        self.seen_heartbeat |= heartbeats
+        for node in (n.name for n in self.config.nodes()):
+            verdict = self.verdicts.get(node)
+            if node in registered:
+                if verdict == "dead":  # a fresh worker registered for a node we buried: back in service
+                    await self._clear(node, "a new worker registered")
+                self.seen_registered.add(node)
+                if node in self.seen_heartbeat and node not in heartbeats and verdict is None:
+                    await self._act(node, "draining", "health agent heartbeat expired", {})
+            elif node in self.seen_registered and verdict != "dead":
+                await self._act(node, "dead", "worker lease expired", {})
+        await self.redrive()
+
+    async def redrive(self) -> None:
+        """Reconcile: a node marked draining or dead that still owns sequences or holds batch entries some time
+        after its drain task was sent gets the task again. A drain task can be lost with the Celery worker that
+        took it (kill -9 of the whole worker: the broker redelivers only after its visibility timeout); drains are
+        idempotent, so sending one too many costs nothing."""
+        from workers.control.failover import remaining_work
+
+        now = WALL.now_ms()
+        for node, state in list(self.verdicts.items()):
+            if state not in ("draining", "dead") or now - self.last_drain.get(node, 0.0) < self.redrive_ms:
+                continue
+            owned, entries = await remaining_work(self.seqs, self.r, node)
+            if state == "draining" and node in await self.registry.nodes():
+                entries = 0  # a live draining worker still reads its own stream; only its sequences must move
+            if owned or entries:
+                task = celery_app.send("drain_node", node)
+                log.warning("node %s (%s) still holds %d sequences, %d batch entries: drain re-sent, task %s",
+                            node, state, owned, entries, task.id)
+            self.last_drain[node] = now
+
+    # -- actions -----------------------------------------------------------------------------------------------
+    async def _act(self, node: str, state: str, reason: str, scores: dict[str, float]) -> None:
+        now = WALL.now_ms()
+        await self.admin.set(node, state, reason, now)
+        self.verdicts[node] = state
+        task = celery_app.send("drain_node", node)
+        self.last_drain[node] = now
+        self.actions += 1
+        metrics.FAILOVER_ACTIONS.labels(state).inc()
+        metrics.set_node_state(node, state)
+        with log_context(node=node, rack=self.config.rack_of(node)):
+            log.warning("node %s marked %s (%s); drain task %s", node, state, reason, task.id)
+        await self._decision(node, state, reason, scores, now)
+
+    async def _clear(self, node: str, reason: str) -> None:
+        now = WALL.now_ms()
+        await self.admin.clear(node)
+        self.verdicts.pop(node, None)
+        metrics.FAILOVER_ACTIONS.labels("active").inc()
+        metrics.set_node_state(node, "active")
+        with log_context(node=node, rack=self.config.rack_of(node)):
+            log.info("node %s back in service (%s)", node, reason)
+        await self._decision(node, "active", reason, {}, now)
+
+    async def _decision(self, node: str, state: str, reason: str, scores: dict[str, float], now: float) -> None:
+        await self.producer.add(keys.DECISIONS, DecisionEvent(
+            kind="failover", policy="health", choice=f"{node}:{state}", request_ids=(), ts_ms=now,
+            scores=dict(scores), batch_id=reason[:200],
+        ))
+
+    def status(self) -> dict[str, Any]:
+        return {"identity": self.identity, "leader": self.leader, "verdicts": dict(self.verdicts),
+                "actions": self.actions}

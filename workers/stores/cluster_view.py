@@ -1,0 +1,179 @@
+"""Live view of the cluster for the router and the batchers: which nodes are registered (etcd) and what their
+last status says (Valkey hash), turned into the plain NodeView / RackView snapshots the policies take.
+
+Refreshed every `node_selection.refresh_ms` (200 ms by default). A node counts as active only when its etcd lease
+is alive with state `active` AND its status is fresher than `stale_ms`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
+
+from pipeline.config import RackflowConfig
+from pipeline.events import HealthEvent
+from pipeline.routing.views import NodeView, RackView
+from streams import codec, keys
+from streams.errors import DecodeError
+from workers.shell.runtime import WALL
+from workers.stores.etcd import EtcdStoreError, NodeRegistry
+
+log = logging.getLogger(__name__)
+
+
+def node_view_from_status(
+    name: str,
+    status: HealthEvent | None,
+    registered: Mapping[str, object] | None,
+    now_ms: float,
+    stale_ms: float,
+    gpu: HealthEvent | None = None,
+    admin: Mapping[str, object] | None = None,
+) -> NodeView:
+    """A node is active when its worker's lease is alive with state active, no monitor verdict (draining/dead)
+    stands against it, and its status is fresh. GPU memory and PCIe come from the health agent when one reports
+    (NVML sees what the engine's bookkeeping cannot), else from the worker."""
+    state = registered.get("state") if registered else None
+    if status is None:
+        return NodeView(name, False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+    fresh = now_ms - status.ts_ms <= stale_ms
+    verdict = admin.get("state") if admin else None
+    agent = gpu is not None and now_ms - gpu.ts_ms <= stale_ms and gpu.gpu_mem_total_gb > 0
+    return NodeView(
+        name=name,
+        active=bool(state == "active" and fresh and verdict not in ("draining", "dead")),
+        vram_total_gb=gpu.gpu_mem_total_gb if agent and gpu else status.gpu_mem_total_gb,
+        free_vram_gb=_free_gb(status, gpu if agent else None),
+        pcie_util_pct=gpu.pcie_util_pct if agent and gpu else status.pcie_util_pct,
+        avg_latency_ms=status.avg_latency_ms,
+        kv_capacity_kb=status.kv_capacity_kb,
+        kv_free_kb=max(0.0, status.kv_capacity_kb - status.kv_used_kb),
+        running=status.running,
+        waiting=status.waiting,
+        prefill_tokens=status.prefill_tokens,
+        decode_seqs=status.decode_seqs,
+        decode_tokens=status.decode_tokens,
+        kv_usage=status.kv_usage,
+        slowdown=status.slowdown,
+        max_seqs=status.max_seqs,
+    )
+
+
+def _free_gb(status: HealthEvent, gpu: HealthEvent | None) -> float:
+    """Free GPU memory: the agent's (NVML) figure, but never more than the engine's own bookkeeping leaves free,
+    compared as fractions of each one's total (an engine may account a different total than the device has, e.g.
+    the CPU `torch` engine next to a modelled GPU)."""
+    if gpu is None:
+        return status.gpu_mem_free_gb
+    if status.gpu_mem_total_gb <= 0:
+        return gpu.gpu_mem_free_gb
+    engine_frac = max(0.0, min(1.0, status.gpu_mem_free_gb / status.gpu_mem_total_gb))
+    return min(gpu.gpu_mem_free_gb, gpu.gpu_mem_total_gb * engine_frac)
+
+
+def pending_tokens(fields: Mapping[bytes | str, bytes | str], now_ms: float, stale_ms: float) -> float:
+    """Prompt tokens the batchers of a rack hold, from its status hash: `tokens:{actor}` and `ts:{actor}` per
+    batcher; a batcher that stopped writing (older than stale_ms) is not counted."""
+    vals = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in fields.items()}
+    total = 0.0
+    for k, v in vals.items():
+        if not k.startswith("tokens:"):
+            continue
+        try:
+            if now_ms - float(vals.get("ts:" + k[7:], "0")) <= stale_ms:
+                total += float(v)
+        except ValueError:
+            continue
+    return total
+
+
+@dataclass
+class ClusterView:
+    config: RackflowConfig
+    r: aioredis.Redis
+    registry: NodeRegistry
+    stale_ms: float = 3000.0
+    statuses: dict[str, HealthEvent] = field(default_factory=dict)
+    gpus: dict[str, HealthEvent] = field(default_factory=dict)
+    registered: dict[str, dict[str, object]] = field(default_factory=dict)
+    admin: dict[str, dict[str, object]] = field(default_factory=dict)
+    rack_backlog: dict[str, int] = field(default_factory=dict)
+    rack_pending_tokens: dict[str, float] = field(default_factory=dict)
+    """Prompt tokens of the requests a rack's batchers hold (their `rf:rack:{R}:status`)."""
+    decode_weight_tokens: float = 256.0
+    _now_ms: Callable[[], float] = WALL.now_ms
+
+    async def refresh(self, racks: tuple[str, ...] | None = None, with_backlog: bool = False) -> None:
+        try:
+            self.registered = await self.registry.nodes()
+            self.admin = await self.registry.admin()
+        except EtcdStoreError as e:
+            log.warning("node registry unavailable, keeping the last view: %s", e)
+        names = [n.name for n in self.config.nodes()]
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(keys.node_status(n))
+            pipe.hgetall(keys.node_gpu(n))
+        rows = await pipe.execute()
+        for i, n in enumerate(names):
+            for fields, table in ((rows[2 * i], self.statuses), (rows[2 * i + 1], self.gpus)):
+                if not fields:
+                    continue
+                try:
+                    ev = codec.decode(fields)
+                except DecodeError as e:
+                    log.warning("node %s: undecodable status: %s", n, e)
+                    continue
+                if isinstance(ev, HealthEvent):
+                    table[n] = ev
+        if with_backlog:
+            for rack in racks or self.config.rack_names():
+                try:
+                    groups = await self.r.xinfo_groups(keys.rack_requests(rack))
+                except aioredis.ResponseError as e:  # no stream yet: nothing queued
+                    if isinstance(e, NoPermissionError):  # an ACL that hides the queues: the balance goes blind
+                        log.error("may not read the queue of rack %s (%s): this role's Redis user needs "
+                                  "`+xinfo|groups` and `%%R~rf:rack:*` (deploy/valkey/users.acl.example)", rack, e)
+                    groups = []
+                backlog = 0
+                for g in groups:
+                    if g.get("name") in (keys.GROUP_BATCHER, keys.GROUP_BATCHER.encode()):
+                        backlog = int(g.get("lag") or 0) + int(g.get("pending") or 0)
+                self.rack_backlog[rack] = backlog
+                self.rack_pending_tokens[rack] = pending_tokens(await self.r.hgetall(keys.rack_status(rack)),
+                                                                self._now_ms(), self.stale_ms)
+
+    def node_views(self, now_ms: float, rack: str | None = None) -> list[NodeView]:
+        out = []
+        for r in self.config.cluster.racks:
+            if rack is not None and r.name != rack:
+                continue
+            for n in r.expanded():
+                out.append(
+                    node_view_from_status(
+                        n.name, self.statuses.get(n.name), self.registered.get(n.name), now_ms, self.stale_ms,
+                        self.gpus.get(n.name), self.admin.get(n.name),
+                    )
+                )
+        return out
+
+    def rack_views(self, now_ms: float) -> dict[str, RackView]:
+        """Per rack: healthy (an active node), load in requests (engines' running + waiting, batcher backlog) and
+        work in prompt-token units (prefill queued in its engines and its batchers, plus decode_weight_tokens per
+        sequence), compared per active node by the rack choice."""
+        out = {}
+        dw = self.decode_weight_tokens
+        for r in self.config.cluster.racks:
+            nodes = self.node_views(now_ms, r.name)
+            active = [n for n in nodes if n.active]
+            backlog = self.rack_backlog.get(r.name, 0)
+            load = sum(n.running + n.waiting for n in active) + backlog
+            work = (sum(n.prefill_tokens for n in active) + self.rack_pending_tokens.get(r.name, 0.0)
+                    + dw * load)
+            out[r.name] = RackView(r.name, bool(active), float(load), float(work), len(active))
+        return out

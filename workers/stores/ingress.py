@@ -1,0 +1,372 @@
+"""Gateway core: profile a request (ARCHITECTURE §2), admit it into `rf:ingress`, and read its outputs back.
+
+Every front end shares this: the HTTP gateway, the demo's trace replay and Celery jobs. It validates what the
+profile needs and never lets a request it cannot serve into the streams; it sheds load (RequestRejected with status
+429 and a Retry-After) when the router's backlog is over its bound or when the rack the router would choose for the
+request is saturated (rack queue over `gateway.max_rack_queue`, read at most every `saturation_refresh_ms`); it reads a
+request's token stream `rf:out:{id}` until the final result. The exact token count comes from the model's
+`tokenizer.json` when the file exists locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
+
+from pipeline.admission import Admission, ShedReason
+from pipeline.config import RackflowConfig
+from pipeline.events import HealthEvent, RequestEvent, ResultEvent, TokenEvent
+from pipeline.profiling import ProfileInput, profile_request
+from pipeline.routing.rack_affinity import RackAffinityRouter
+from pipeline.routing.registry import ROUTER_POLICIES, lookup
+from pipeline.routing.views import RackView
+from streams import codec, keys
+from streams.errors import DecodeError
+from streams.runner import StreamProducer
+from workers.shell import tracing
+from workers.shell.runtime import WALL
+
+log = logging.getLogger(__name__)
+
+
+def _no_stream_yet(exc: aioredis.ResponseError, key: str, command: str) -> None:
+    """An XINFO on a stream that does not exist yet is an error reply we take as "empty"; an ACL denial is not:
+    without its queue figures the gateway could not shed load, so it fails loudly (the request gets a 503)."""
+    if isinstance(exc, NoPermissionError):
+        log.error("the gateway's Redis user may not run %s on %s (%s): give it `+%s` and `%%R~%s` "
+                  "(deploy/valkey/users.acl.example, user rf-gateway)", command, key, exc, command,
+                  key.split("{", 1)[0] + "*")
+        raise exc
+
+
+class RequestRejected(ValueError):
+    """The request cannot be admitted; `status` is the HTTP status to answer with, the message says what to change."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        code: str = "invalid_value",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.code = code
+        """Machine-readable reason (OpenAI-style error code)."""
+
+
+class Gateway:
+    def __init__(self, config: RackflowConfig, r: aioredis.Redis) -> None:
+        self.config = config
+        self.r = r
+        self.producer = StreamProducer(r, WALL.now_ms, config.policies.streams.retention_s * 1000)
+        self._tokenizers: dict[str, Any] = {}
+        self._backlog = (0.0, 0)  # (monotonic time read, value)
+        self._queues: dict[str, int] = {}
+        self._views: dict[str, RackView] = {}
+        rp = config.policies.router
+        lookup(ROUTER_POLICIES, "router", rp.policy)
+        self._rack_policy: RackAffinityRouter = RackAffinityRouter.from_config(
+            {m: config.racks_serving(m) for m in config.models}, rp)
+        self._rack_policy.prefix_aware = False
+        """The router's rack policy, without the prefix index (the router's own input): the gateway predicts the
+        rack a request will go to by its user's hash and the same bounded-load walk over the racks' load (running
+        + waiting of fresh nodes + the rack's backlog). The simulator predicts it the same way."""
+        self.admission = Admission(config.gateway)
+        self._queued_since: dict[str, float] = {}
+        """Per rack, since when (monotonic s) its queue has been non-empty at every read."""
+        self._queues_t = -math.inf
+        self._queues_lock = asyncio.Lock()
+        self._done: collections.deque[tuple[float, int]] = collections.deque()
+        """(monotonic time, rf:results entries-added) samples of the last few seconds: the completion rate."""
+
+    # -- tokenizers ----------------------------------------------------------------------------------------------
+    def tokenizer(self, model: str) -> Any | None:
+        """The model's `tokenizers.Tokenizer` when its tokenizer.json exists locally, else None (estimate)."""
+        if model in self._tokenizers:
+            return self._tokenizers[model]
+        tok = None
+        path = self.config.models[model].tokenizer
+        if path and Path(path).exists():
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(path)
+            log.info("model %s: exact token counts from %s", model, path)
+        elif path:
+            log.warning("model %s: tokenizer %s not found; estimating token counts", model, path)
+        self._tokenizers[model] = tok
+        return tok
+
+    # -- admission -----------------------------------------------------------------------------------------------
+    def profile(self, inp: ProfileInput) -> RequestEvent:
+        model = self.config.models.get(inp.model)
+        if model is None:
+            raise RequestRejected(
+                f"model {inp.model!r} does not exist; available: {', '.join(sorted(self.config.models))}",
+                404, "model", code="model_not_found",
+            )
+        if not self.config.racks_serving(inp.model):
+            raise RequestRejected(
+                f"model {inp.model!r} is not served by any rack of this cluster", 404, "model", code="model_not_found"
+            )
+        if inp.max_tokens is not None and inp.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be >= 1, got {inp.max_tokens}", 400, "max_tokens")
+        if inp.route_policy and not self._policy_allowed(inp.route_policy):
+            ns = self.config.policies.node_selection
+            allowed = ", ".join(ns.allowed_overrides) if ns.allow_request_override else "none (disabled)"
+            raise RequestRejected(
+                f"route policy {inp.route_policy!r} is not allowed; allowed: {allowed}", 400, "X-Route-Policy",
+                code="invalid_route_policy",
+            )
+        if inp.token_ids is None and inp.prompt_tokens is None and inp.prompt:
+            tok = self.tokenizer(inp.model)
+            if tok is not None:
+                inp = _with_ids(inp, tok.encode(inp.prompt, add_special_tokens=False).ids)
+        req = profile_request(inp, model, self.config.policies.profiling, self.config.token_rates(inp.model))
+        if req.in_tokens + req.max_tokens > model.context:
+            raise RequestRejected(
+                f"prompt ({req.in_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
+                f"{inp.model} ({model.context} tokens); shorten the prompt or lower max_tokens",
+                400, "max_tokens" if inp.max_tokens is not None else "prompt", code="context_length_exceeded",
+            )
+        return req
+
+    def _policy_allowed(self, name: str) -> bool:
+        ns = self.config.policies.node_selection
+        return ns.allow_request_override and name in ns.allowed_overrides
+
+    async def user_avg_out(self, tenant: str, user_id: str) -> float | None:
+        v = await self.r.get(keys.user_out_ewma(tenant, user_id))
+        return float(v) if v is not None else None
+
+    async def backlog(self, max_age_s: float = 0.1) -> int:
+        """Requests waiting for the router: rf:ingress lag + pending of the router group (cached briefly)."""
+        t, v = self._backlog
+        now = time.monotonic()
+        if now - t < max_age_s:
+            return v
+        try:
+            groups = await self.r.xinfo_groups(keys.INGRESS)
+        except aioredis.ResponseError as e:
+            _no_stream_yet(e, keys.INGRESS, "xinfo|groups")
+            groups = []
+        value = 0
+        found = False
+        for g in groups:
+            name = g.get("name")
+            if name in (keys.GROUP_ROUTER, keys.GROUP_ROUTER.encode()):
+                lag = g.get("lag")
+                value = int(g.get("pending") or 0) + (int(lag) if lag is not None else 0)
+                found = True
+        if not found:
+            value = int(await self.r.xlen(keys.INGRESS))
+        self._backlog = (now, value)
+        return value
+
+    async def rack_queues(self) -> tuple[dict[str, int], dict[str, RackView]]:
+        """Requests queued per rack: its batcher group's lag + pending on `rf:rack:{R}:req` (waiting for a window or
+        for memory) plus the requests waiting in the engines of its nodes (from their fresh status); and the rack
+        views the router balances on. Read at most every `gateway.saturation_refresh_ms`; concurrent callers share
+        one read. RedisError when the store is down."""
+        refresh_s = self.config.gateway.saturation_refresh_ms / 1000.0
+        if time.monotonic() - self._queues_t < refresh_s:
+            return self._queues, self._views
+        async with self._queues_lock:
+            if time.monotonic() - self._queues_t < refresh_s:
+                return self._queues, self._views
+            self._queues, self._views = await self._read_queues()
+            self._queues_t = time.monotonic()
+        return self._queues, self._views
+
+    async def _read_queues(self) -> tuple[dict[str, int], dict[str, RackView]]:
+        queues: dict[str, int] = {}
+        running: dict[str, int] = {}
+        for rack in self.config.rack_names():
+            try:
+                groups = await self.r.xinfo_groups(keys.rack_requests(rack))
+            except aioredis.ResponseError as e:
+                _no_stream_yet(e, keys.rack_requests(rack), "xinfo|groups")
+                groups = []
+            q = 0
+            for g in groups:
+                if g.get("name") in (keys.GROUP_BATCHER, keys.GROUP_BATCHER.encode()):
+                    q = int(g.get("lag") or 0) + int(g.get("pending") or 0)
+            queues[rack] = q
+        now_ms = WALL.now_ms()
+        stale_ms = self.config.policies.node_selection.stale_ms
+        for node in self.config.nodes():
+            fields = await self.r.hgetall(keys.node_status(node.name))
+            if not fields:
+                continue
+            try:
+                ev = codec.decode(fields)
+            except DecodeError:
+                continue
+            if isinstance(ev, HealthEvent) and now_ms - ev.ts_ms <= stale_ms:
+                rack = self.config.rack_of(node.name)
+                queues[rack] = queues.get(rack, 0) + int(ev.waiting)
+                running[rack] = running.get(rack, 0) + int(ev.running)
+        try:
+            info = await self.r.xinfo_stream(keys.RESULTS)
+            added = info.get("entries-added")
+        except aioredis.ResponseError as e:
+            _no_stream_yet(e, keys.RESULTS, "xinfo|stream")
+            added = 0
+        if added is not None:
+            t = time.monotonic()
+            self._done.append((t, int(added)))
+            while len(self._done) > 2 and t - self._done[0][0] > 3.0:
+                self._done.popleft()
+        views = {rk: RackView(rk, rk in running, float(q + running.get(rk, 0))) for rk, q in queues.items()}
+        t = time.monotonic()
+        for rk, q in queues.items():
+            if q <= 0:
+                self._queued_since.pop(rk, None)
+            else:
+                self._queued_since.setdefault(rk, t)
+        return queues, views
+
+    def completion_rate(self) -> float | None:
+        """Final results per second over the last ~3 s (None before two reads)."""
+        if len(self._done) < 2:
+            return None
+        (t0, a0), (t1, a1) = self._done[0], self._done[-1]
+        return (a1 - a0) / (t1 - t0) if t1 > t0 else None
+
+    def rack_rate(self, racks: int = 1) -> float | None:
+        """The recent completion rate of `racks` of the cluster's racks (their share of the cluster's rate)."""
+        rate = self.completion_rate()
+        return None if rate is None else rate * racks / max(1, len(self.config.rack_names()))
+
+    def retry_after(self, queued: int, racks: int) -> int:
+        """Seconds until the queue ahead (`queued` requests in `racks` of the cluster's racks) drains at the recent
+        completion rate (the cluster's rate, this share of racks), within [retry_after_s, max_retry_after_s]."""
+        return self.admission.retry_after(queued, self.rack_rate(racks))
+
+    async def admit(self, inp: ProfileInput) -> RequestEvent:
+        """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload.
+        With tracing on, the admission is the root span of the request's trace (`gateway.admit`)."""
+        if tracing.TRACER is None:
+            return await self._admit(inp, None)
+        with tracing.root_span("gateway.admit") as span:
+            return await self._admit(inp, span)
+
+    async def _admit(self, inp: ProfileInput, span: Any) -> RequestEvent:
+        if inp.max_tokens is None and inp.user_avg_out is None:
+            avg = await self.user_avg_out(inp.tenant, inp.user_id)
+            if avg is not None:
+                inp = _replace(inp, user_avg_out=avg)
+        req = self.profile(inp)
+        if span is not None:
+            req = tracing.stamp(span, req)
+        bound = self.config.gateway.max_ingress_backlog
+        if await self.backlog() >= bound:
+            raise RequestRejected(
+                f"the cluster is overloaded ({bound} requests already waiting for routing); retry later",
+                429, None, self.config.gateway.retry_after_s, code="overloaded",
+            )
+        queues, views = await self.rack_queues()
+        rack = self._rack_policy.route(req.user_id, req.model, views).rack if views else None
+        if rack is not None:
+            since = self._queued_since.get(rack)
+            verdict = self.admission.decide(queues.get(rack, 0), self.rack_rate(1),
+                                            time.monotonic() - since if since is not None else 0.0)
+            if not verdict.admit:
+                # the router would queue it behind a full rack (its bounded-load walk found no rack with room)
+                gw = self.config.gateway
+                why = (f"{queues[rack]} requests queued, bound {gw.max_rack_queue}"
+                       if verdict.reason is ShedReason.RACK_QUEUE else
+                       f"{queues[rack]} requests queued, about {verdict.wait_s or 0:.0f} s of work, bound "
+                       f"{gw.max_queue_s:g} s")
+                raise RequestRejected(f"rack {rack} is saturated ({why}); retry later", 429, None,
+                                      verdict.retry_after_s, code="overloaded")
+        await self.producer.add(keys.INGRESS, req)
+        return req
+
+    async def submit(self, inp: ProfileInput) -> RequestEvent:
+        req = self.profile(inp)
+        if tracing.TRACER is not None:
+            with tracing.root_span("gateway.admit") as span:
+                req = tracing.stamp(span, req)
+        await self.producer.add(keys.INGRESS, req)
+        return req
+
+    async def submit_many(self, inputs: Sequence[ProfileInput]) -> list[RequestEvent]:
+        reqs = [self.profile(i) for i in inputs]
+        if tracing.TRACER is not None:
+            for k, req in enumerate(reqs):
+                with tracing.root_span("gateway.admit") as span:
+                    reqs[k] = tracing.stamp(span, req)
+        await self.producer.add_many((keys.INGRESS, r) for r in reqs)
+        return reqs
+
+    # -- outputs -------------------------------------------------------------------------------------------------
+    async def outputs(
+        self, request_id: str, timeout_s: float | None = None, block_ms: int = 1000
+    ) -> AsyncGenerator[TokenEvent | ResultEvent, None]:
+        """Token chunks of a request as they are generated, then its final ResultEvent. Raises TimeoutError when
+        nothing final arrives within `timeout_s` (default: gateway.request_timeout_s)."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.gateway.request_timeout_s)
+        stream = keys.request_out(request_id)
+        last = "0-0"
+        next_index = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no final result for request {request_id} in time")
+            resp = await self.r.xread({stream: last}, count=256, block=int(min(block_ms, remaining * 1000) or 1))
+            for _s, entries in resp or []:
+                for eid, fields in entries:
+                    last = eid.decode() if isinstance(eid, bytes) else eid
+                    try:
+                        ev = codec.decode(fields)
+                    except DecodeError as e:
+                        log.warning("request %s: undecodable output entry %s: %s", request_id, last, e)
+                        continue
+                    if isinstance(ev, ResultEvent):
+                        yield ev
+                        return
+                    if isinstance(ev, TokenEvent):
+                        # a retried sequence may resend tokens the client already has: skip them
+                        if ev.index + len(ev.token_ids) <= next_index:
+                            continue
+                        if ev.index < next_index:
+                            cut = next_index - ev.index
+                            ev = TokenEvent(ev.request_id, ev.version, next_index, ev.token_ids[cut:],
+                                            ev.texts[cut:], ev.ts_ms, ev.node)
+                        next_index = ev.index + len(ev.token_ids)
+                        yield ev
+
+    async def result(self, request_id: str) -> ResultEvent | None:
+        """The final result of a request if its output stream still holds it (within the output TTL)."""
+        entries = await self.r.xrevrange(keys.request_out(request_id), count=8)
+        for _eid, fields in entries:
+            try:
+                ev = codec.decode(fields)
+            except DecodeError:
+                continue
+            if isinstance(ev, ResultEvent):
+                return ev
+        return None
+
+
+def _replace(inp: ProfileInput, **kw: Any) -> ProfileInput:
+    import dataclasses
+
+    return dataclasses.replace(inp, **kw)
+
+
+def _with_ids(inp: ProfileInput, ids: Sequence[int]) -> ProfileInput:
+    return _replace(inp, token_ids=list(ids))

@@ -1,0 +1,233 @@
+"""Final results, exactly once per request (ARCHITECTURE §6).
+
+`ResultWriter.write` runs one Lua script that sets the marker `{rf:results}:done:<id>` with NX and, only if it was
+not set, appends the ResultEvent to `rf:results`; both keys hash to one slot, so this also holds on Redis Cluster.
+A duplicate delivery, a redelivered batch or a migrated sequence finishing twice can never add a second result.
+The client's stream `rf:out:{id}` gets the result as its last entry (after its tokens) and expires after a TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from pipeline.events import ResultEvent, TokenEvent
+from streams import codec, keys
+from streams.runner import minid_for
+from workers.shell import metrics
+
+log = logging.getLogger(__name__)
+
+_EWMA_LUA = """
+local v = tonumber(ARGV[1])
+local old = redis.call('GET', KEYS[1])
+if old then v = tonumber(ARGV[2]) * v + (1 - tonumber(ARGV[2])) * tonumber(old) end
+redis.call('SET', KEYS[1], tostring(v), 'EX', ARGV[3])
+return tostring(v)
+"""
+
+# A client stream's first entry and its TTL in one command.
+_FIRST_LUA = """
+redis.call('XADD', KEYS[1], '*', 'v', ARGV[1], 't', ARGV[2], 'd', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+_FINAL_LUA = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('XADD', KEYS[2], 'MINID', '~', ARGV[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
+  return 1
+end
+return 0
+"""
+
+
+# One round trip for a whole finish on a single server: the exactly-once result, the user's EWMA, the last token
+# chunk and the end of the client stream. (On Redis Cluster these keys live in different slots: write_many then
+# takes the two-phase path of slot-safe commands.)
+_FINISH_LUA = """
+local written = 0
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('XADD', KEYS[2], 'MINID', '~', ARGV[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
+  written = 1
+  if ARGV[10] == '1' then
+    local v = tonumber(ARGV[11])
+    local old = redis.call('GET', KEYS[4])
+    if old then v = tonumber(ARGV[8]) * v + (1 - tonumber(ARGV[8])) * tonumber(old) end
+    redis.call('SET', KEYS[4], tostring(v), 'EX', ARGV[9])
+  end
+end
+if ARGV[12] ~= '' then redis.call('XADD', KEYS[3], '*', 'v', ARGV[12], 't', ARGV[13], 'd', ARGV[14]) end
+redis.call('XADD', KEYS[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[7])
+return written
+"""
+
+
+class ResultWriter:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        now_ms: Callable[[], float],
+        retention_ms: int,
+        out_ttl_s: int = 3600,
+        ewma_alpha: float = 0.2,
+        ewma_ttl_s: int = 30 * 86_400,
+    ) -> None:
+        self.r = r
+        self.ewma_alpha = ewma_alpha
+        self.ewma_ttl_s = ewma_ttl_s
+        self._ewma = r.register_script(_EWMA_LUA)
+        self._finish = r.register_script(_FINISH_LUA)
+        self._first = r.register_script(_FIRST_LUA)
+        from redis.asyncio.cluster import RedisCluster
+
+        self.cluster = isinstance(r, RedisCluster)
+        self.now_ms = now_ms
+        self.retention_ms = retention_ms
+        self.out_ttl_s = out_ttl_s
+        self._script = r.register_script(_FINAL_LUA)
+        self.marker_ttl_s = max(60, retention_ms // 1000)
+
+    async def write(self, result: ResultEvent) -> bool:
+        """Write the final result; False when one was already written for this request (nothing is added)."""
+        f = codec.encode(result)
+        written = await self._script(
+            keys=[keys.result_done(result.request_id), keys.RESULTS],
+            args=[
+                result.version,
+                self.marker_ttl_s,
+                minid_for(self.now_ms(), self.retention_ms),
+                f[b"v"],
+                f[b"t"],
+                f[b"d"],
+            ],
+        )
+        if written and result.status == "ok":
+            # the user's output-length history feeds the next output estimate (ARCHITECTURE §2)
+            await self._ewma(
+                keys=[keys.user_out_ewma(result.tenant, result.user_id)],
+                args=[result.out_tokens, self.ewma_alpha, self.ewma_ttl_s],
+            )
+        if not written:
+            log.info("request %s v%d: final result already written; duplicate dropped", result.request_id,
+                     result.version)
+        # Always end the client stream: if an earlier attempt wrote the result but died before this point, the
+        # client would otherwise wait forever. A client stops at the first result entry, so a repeat is harmless.
+        out = keys.request_out(result.request_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(out, f)  # type: ignore[arg-type]
+        pipe.expire(out, self.out_ttl_s)
+        await pipe.execute()
+        metrics.observe_results([result], [bool(written)])
+        return bool(written)
+
+    async def write_many(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
+        """Token chunks, then final results, for many requests in two round trips (a worker's whole step):
+        the tokens and the exactly-once result scripts first, then the EWMA updates of the results that were
+        written and the end of each client stream."""
+        if not results and not tokens:
+            return []
+        if not self.cluster:
+            return await self._write_many_single(results, tokens)
+        minid = minid_for(self.now_ms(), self.retention_ms)
+        pipe = self.r.pipeline(transaction=False)
+        expiring: set[str] = set()
+        for ev in tokens:
+            out = keys.request_out(ev.request_id)
+            pipe.xadd(out, codec.encode(ev))  # type: ignore[arg-type]
+            if ev.index == 0:  # the stream is new: give it its TTL once (XADD keeps an existing TTL)
+                pipe.expire(out, self.out_ttl_s)
+                expiring.add(ev.request_id)
+        encoded = [codec.encode(r) for r in results]
+        for r, f in zip(results, encoded, strict=True):
+            # A cluster pipeline refuses EVALSHA (the script may not be loaded on every node): EVAL with the
+            # body, routed by its keys' slot ({rf:results}).
+            pipe.execute_command("EVAL", _FINAL_LUA, 2, keys.result_done(r.request_id), keys.RESULTS,
+                                 r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"])
+        replies = await pipe.execute()
+        written = [bool(x) for x in replies[len(tokens) + len(expiring):]]
+        pipe = self.r.pipeline(transaction=False)
+        for r, f, w in zip(results, encoded, written, strict=True):
+            if w and r.status == "ok":
+                pipe.execute_command("EVAL", _EWMA_LUA, 1, keys.user_out_ewma(r.tenant, r.user_id),
+                                     r.out_tokens, self.ewma_alpha, self.ewma_ttl_s)
+            elif not w:
+                log.info("request %s v%d: final result already written; duplicate dropped", r.request_id, r.version)
+            out = keys.request_out(r.request_id)
+            pipe.xadd(out, f)  # type: ignore[arg-type]
+            pipe.expire(out, self.out_ttl_s)  # also covers a result whose stream had no token chunk
+        if results:
+            await pipe.execute()
+        metrics.observe_results(results, written)
+        return written
+
+    async def _write_many_single(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
+        minid = minid_for(self.now_ms(), self.retention_ms)
+        finishing = {r.request_id for r in results}
+        last_chunk = {t.request_id: t for t in tokens if t.request_id in finishing}
+        pipe = self.r.pipeline(transaction=False)
+        for ev in tokens:
+            if ev.request_id in finishing:
+                continue  # goes out inside the finish script, right before the result
+            out = keys.request_out(ev.request_id)
+            f = codec.encode(ev)
+            if ev.index == 0:
+                await self._first(keys=[out], args=[f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s], client=pipe)
+            else:
+                pipe.xadd(out, f)  # type: ignore[arg-type]
+        n_before = len(pipe.command_stack)
+        for r in results:
+            f = codec.encode(r)
+            chunk = last_chunk.get(r.request_id)
+            cf = codec.encode(chunk) if chunk is not None else {b"v": b"", b"t": b"", b"d": b""}
+            await self._finish(
+                keys=[keys.result_done(r.request_id), keys.RESULTS, keys.request_out(r.request_id),
+                      keys.user_out_ewma(r.tenant, r.user_id)],
+                args=[r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s,
+                      self.ewma_alpha, self.ewma_ttl_s, "1" if r.status == "ok" else "0", r.out_tokens,
+                      cf[b"v"], cf[b"t"], cf[b"d"]],
+                client=pipe,
+            )
+        replies = await pipe.execute()
+        written = [bool(x) for x in replies[n_before:]]
+        metrics.observe_results(results, written)
+        for r, w in zip(results, written, strict=True):
+            if not w:
+                log.info("request %s v%d: final result already written; duplicate dropped", r.request_id, r.version)
+        return written
+
+    async def is_done(self, request_id: str) -> bool:
+        return bool(await self.r.exists(keys.result_done(request_id)))
+
+    async def done_among(self, request_ids: list[str]) -> set[str]:
+        if not request_ids:
+            return set()
+        # every marker hashes to the {rf:results} slot: one MGET, also on Redis Cluster
+        values = await self.r.mget([keys.result_done(rid) for rid in request_ids])
+        return {rid for rid, v in zip(request_ids, values, strict=True) if v is not None}
+
+    async def done_and_cancelled(self, request_ids: list[str]) -> tuple[set[str], set[str]]:
+        """The requests that already have their final result, and those that were cancelled (their cancellation
+        marker is set): both kinds of marker in one MGET (they share the {rf:results} slot)."""
+        if not request_ids:
+            return set(), set()
+        n = len(request_ids)
+        values = await self.r.mget([keys.result_done(rid) for rid in request_ids]
+                                   + [keys.request_cancelled(rid) for rid in request_ids])
+        done = {rid for rid, v in zip(request_ids, values[:n], strict=True) if v is not None}
+        cancelled = {rid for rid, v in zip(request_ids, values[n:], strict=True) if v is not None}
+        return done, cancelled
+
+    async def stream_tokens(self, events: list[TokenEvent]) -> None:
+        """Append token chunks to their clients' streams in one round trip."""
+        if not events:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for ev in events:
+            out = keys.request_out(ev.request_id)
+            pipe.xadd(out, codec.encode(ev))  # type: ignore[arg-type]
+            pipe.expire(out, self.out_ttl_s)
+        await pipe.execute()
