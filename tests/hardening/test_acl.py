@@ -170,12 +170,12 @@ def test_gateway_without_queue_read_rights_fails_loudly(secure: tuple[EmbeddedSe
 
 def test_rackflow_up_logs_each_role_in_as_its_user_on_a_secure_valkey(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`rackflow up` (its _LocalCluster) finds `services up --secure`'s role URLs in .rackflow/services.json and
+    """`rackflow up` (its LocalCluster) finds `services up --secure`'s role URLs in .rackflow/services.json and
     hands them to the launcher; pointed at another server by --redis-url, it uses that URL for every role."""
     import argparse
 
     from pipeline.config import DEFAULT_CONFIG_DIR
-    from workers.cli.main import _LocalCluster
+    from workers.local.cluster import LocalCluster
 
     monkeypatch.chdir(tmp_path)
     for var in ("RACKFLOW_REDIS_URL", "RACKFLOW_ETCD_URL"):
@@ -188,14 +188,14 @@ def test_rackflow_up_logs_each_role_in_as_its_user_on_a_secure_valkey(
                     "log_level": "WARNING"}
             return argparse.Namespace(**(base | kw))
 
-        cluster = _LocalCluster(args(), tmp_path / "up", with_gateway=True)
+        cluster = LocalCluster(args(), tmp_path / "up", with_gateway=True)
         assert cluster.services is None, "it must use the running services, not start its own"
         assert cluster.redis_url == ep.redis_url
         assert cluster.procs.role_urls == svc.role_urls and "router" in svc.role_urls
         redis_args, env = cluster.procs._redis_for("router")
         assert redis_args == [] and env is not None and env["RACKFLOW_REDIS_URL"] == svc.role_urls["router"]
 
-        elsewhere = _LocalCluster(args(redis_url="redis://127.0.0.1:1/0", etcd_url=ep.etcd_url), tmp_path / "up2")
+        elsewhere = LocalCluster(args(redis_url="redis://127.0.0.1:1/0", etcd_url=ep.etcd_url), tmp_path / "up2")
         assert elsewhere.procs.role_urls is None
         assert elsewhere.procs._redis_for("router") == (["--redis-url", "redis://127.0.0.1:1/0"], None)
     finally:

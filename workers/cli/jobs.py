@@ -14,7 +14,6 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from pipeline.config import RackflowConfig
 from pipeline.events import REQUEST_ID
 
 
-def add_parser(sub: Any, fn: Callable[[argparse.Namespace], int]) -> None:
+def add_parser(sub: Any) -> None:
     s = sub.add_parser("jobs", help="async jobs on Celery: submit a JSONL file of prompts, status, cancel")
     jsub = s.add_subparsers(dest="action", required=True)
     p = jsub.add_parser("submit", help="submit a JSONL file of requests as one job (a Celery group)")
@@ -37,15 +36,25 @@ def add_parser(sub: Any, fn: Callable[[argparse.Namespace], int]) -> None:
     p.add_argument("--timeout", type=float, default=None, help="--wait: give up after this many seconds (exit 1)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(fn=fn)
+    p.set_defaults(fn=cmd_jobs_cli)
     p = jsub.add_parser("status", help="state counts of a job (group or task id) and, when done, its results")
     p.add_argument("id")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=fn)
+    p.set_defaults(fn=cmd_jobs_cli)
     p = jsub.add_parser("cancel", help="revoke a job's tasks and abort their requests on their engines")
     p.add_argument("id")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=fn)
+    p.set_defaults(fn=cmd_jobs_cli)
+
+
+def cmd_jobs_cli(args: argparse.Namespace) -> int:
+    from workers.cli.common import config_of, endpoints
+    from workers.shell.runtime import setup_logging
+
+    config = config_of(args)
+    redis_url, etcd_url = endpoints(args)
+    setup_logging("WARNING" if args.log_level.upper() == "INFO" else args.log_level, "jobs")
+    return cmd_jobs(args, config, redis_url, etcd_url)
 
 
 def cmd_jobs(args: argparse.Namespace, config: RackflowConfig, redis_url: str, etcd_url: str) -> int:

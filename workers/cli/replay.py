@@ -142,6 +142,12 @@ def _report(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def cmd_replay_cli(args: argparse.Namespace) -> int:
+    from workers.cli.common import config_of, endpoints
+
+    return cmd_replay(args, lambda: config_of(args), lambda: endpoints(args))
+
+
 def cmd_replay(args: argparse.Namespace, config: Config, endpoints: Callable[[], tuple[str, str]]) -> int:
     try:
         if args.action == "export":
@@ -163,7 +169,7 @@ def cmd_replay(args: argparse.Namespace, config: Config, endpoints: Callable[[],
         return 2
 
 
-def add_parser(sub: Any, fn: Callable[[argparse.Namespace], int]) -> None:
+def add_parser(sub: Any) -> None:
     s = sub.add_parser("replay", help="incident replay: export a time window of the streams, import it, re-run "
                        "routing and batching on it (exact, or a what-if), report it")
     rs = s.add_subparsers(dest="action", required=True)
@@ -194,4 +200,4 @@ def add_parser(sub: Any, fn: Callable[[argparse.Namespace], int]) -> None:
     for x in (e, i, r, rep):
         x.add_argument("--json", action="store_true")
         x.add_argument("--no-progress", action="store_true")
-    s.set_defaults(fn=fn)
+    s.set_defaults(fn=cmd_replay_cli)

@@ -23,7 +23,7 @@ from typing import Any
 
 import jwt
 
-from pipeline.config import AuthConfig, ConfigError
+from pipeline.config import AuthConfig, ConfigError, RackflowConfig
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +233,14 @@ def mint_token(
     if auth.issuer:
         claims["iss"] = auth.issuer
     return jwt.encode(claims, secret, algorithm="HS256")
+
+
+def gateway_auth_available(config: RackflowConfig) -> bool:
+    """Whether the gateway can verify tokens here: the HS256 secret is in its environment variable, or the RS256
+    public key file exists. `rackflow up` runs the gateway without auth (and says so) when it cannot."""
+    auth = config.gateway.auth
+    if auth.mode == "hs256":
+        return bool(os.environ.get(auth.secret_env))
+    if auth.mode == "rs256":
+        return bool(auth.public_key_file and Path(auth.public_key_file).exists())
+    return False

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import RackflowConfig
+from workers.shell.runtime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ class ClusterProcesses:
         fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env)
+                                    start_new_session=True, env=env,
+                                    preexec_fn=die_with_parent())
         finally:
             fh.close()
         rp = RoleProcess(role, name, proc, log_path, metrics_port)
@@ -204,7 +206,8 @@ class ClusterProcesses:
         fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=env)
+                                    start_new_session=True, env=env,
+                                    preexec_fn=die_with_parent())
         finally:
             fh.close()
         rp = RoleProcess("flower", "flower", proc, log_path)

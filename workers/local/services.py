@@ -47,8 +47,13 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from workers.shell.runtime import die_with_parent
+
 logger = logging.getLogger(__name__)
 
+STATE_DIR = Path(".rackflow")
+"""Where `rackflow services up` and `rackflow up` keep their state (services.json, logs), relative to the working
+directory; every command that needs the cluster reads it from there."""
 LOOPBACK = "127.0.0.1"
 STATE_FILE = "services.json"
 ENV_REDIS_URL = "RACKFLOW_REDIS_URL"
@@ -306,6 +311,9 @@ class _ServerProcess:
         self.extra_args: tuple[str, ...] = tuple(extra_args)
         self.log_file = self.data_dir / self.log_name
         self._proc: subprocess.Popen[bytes] | None = None
+        self.die_with_parent = True
+        """The server gets SIGKILL when the process that started it dies (shell/runtime.py: die_with_parent); off
+        for `rackflow services up`, whose servers outlive the command."""
 
     # subclass hooks ---------------------------------------------------------------------------
     def _argv(self) -> list[str]:
@@ -381,6 +389,7 @@ class _ServerProcess:
                 stderr=subprocess.STDOUT,
                 cwd=self.data_dir,
                 start_new_session=True,
+                preexec_fn=die_with_parent() if self.die_with_parent else None,
             )
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -799,12 +808,15 @@ class EmbeddedServices:
     then holds ``redis_url`` as the admin user and ``role_urls``: ``{"router": "redis://rf-router:PASS@..."}``."""
 
     def __init__(
-        self, state_dir: Path = Path(".rackflow"), *, durable: AppendFsync | None = None, secure: bool = False
+        self, state_dir: Path = Path(".rackflow"), *, durable: AppendFsync | None = None, secure: bool = False,
+        detach: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.state_file = self.state_dir / STATE_FILE
         self.durable: AppendFsync | None = durable
         self.secure = secure
+        self.detach = detach
+        """True: the servers outlive this process (`rackflow services up`); else they die with it, even on kill -9."""
         self.role_urls: dict[str, str] = {}
         self._valkey: ValkeyProcess | None = None
         self._etcd: EtcdProcess | None = None
@@ -870,12 +882,14 @@ class EmbeddedServices:
             username=ADMIN_USER if self.secure else None,
             password=passwords.get(ADMIN_USER),
         )
+        valkey.die_with_parent = not self.detach
         valkey.start(timeout_s=timeout_s)
         self.role_urls = {  # after start: a lost port race moves Valkey to another port
             u.removeprefix("rf-"): valkey.url_for(u, p) for u, p in passwords.items() if u != ADMIN_USER
         }
         try:
             etcd = EtcdProcess(self.state_dir / "etcd")
+            etcd.die_with_parent = not self.detach
             etcd.start(timeout_s=max(1.0, deadline - time.monotonic()))
         except BaseException:
             valkey.stop()
@@ -1000,12 +1014,15 @@ def resolve_endpoints(
 
     Each URL is taken from, in order: the explicit argument, the environment
     (``RACKFLOW_REDIS_URL`` / ``RACKFLOW_ETCD_URL``), the ``services.json`` of running embedded
-    services under ``state_dir``.  ``None`` if these do not give both URLs.
+    services under ``state_dir`` (``rackflow services up``), else those of the cluster ``rackflow up`` runs (its
+    services live under ``state_dir/up``).  ``None`` if these do not give both URLs.
     """
     redis_url = redis_url or os.environ.get(ENV_REDIS_URL) or None
     etcd_url = etcd_url or os.environ.get(ENV_ETCD_URL) or None
-    if redis_url is None or etcd_url is None:
-        embedded = EmbeddedServices(state_dir).endpoints()
+    for where in (state_dir, state_dir / "up"):
+        if redis_url is not None and etcd_url is not None:
+            break
+        embedded = EmbeddedServices(where).endpoints()
         if embedded is not None:
             redis_url = redis_url or embedded.redis_url
             etcd_url = etcd_url or embedded.etcd_url

@@ -161,3 +161,49 @@ def run_async(coro: Awaitable[T]) -> T:
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def _prctl() -> Callable[..., int] | None:
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` for subprocess.Popen: the child gets SIGKILL when this process dies, however it dies (kill -9
+    included), so a killed `rackflow up`, demo or test run leaves no server or role behind, adopted by PID 1.
+
+    Linux's PR_SET_PDEATHSIG fires when the *thread* that forked exits, not only the process: from any thread
+    other than the main one (a thread pool's, which may end before the process does) this returns None, and the
+    child is only in its own session, as before. None as well where prctl is not available (not Linux)."""
+    import threading
+
+    prctl = _prctl()
+    if prctl is None or threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:  # runs in the child between fork and exec: no allocation-heavy work
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def die_with_parent_now() -> bool:
+    """The same for this process, from inside it (a child that a library spawned, such as vLLM's engine core and
+    its executor's workers): SIGKILL when the parent dies. False where prctl is not available."""
+    prctl = _prctl()
+    if prctl is None:
+        return False
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    return True

@@ -1,0 +1,62 @@
+"""workers.cli.bench: (moved out of workers.cli.main)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from workers.cli.common import endpoints_or_none
+from workers.local.cluster import DEFAULT_VLLM_CHECKPOINT
+
+
+def _bench_engines(args: argparse.Namespace) -> int:
+    import importlib.util
+    import os
+
+    from workers.local.launcher import vllm_python
+
+    if importlib.util.find_spec("vllm") is None:  # vLLM lives in .venv-vllm: run there
+        try:
+            python = vllm_python()
+        except RuntimeError as e:
+            print(f"rackflow bench engines: {e}", file=sys.stderr)
+            return 2
+        os.execv(python, [python, "-m", "workers.cli", *sys.argv[1:]])
+    from workers.bench.engines import bench_engines
+    from workers.bench.micro import _print
+    from workers.engines.checkpoint import write_tiny_checkpoint
+
+    model_dir = Path(args.model_dir) if args.model_dir else write_tiny_checkpoint(DEFAULT_VLLM_CHECKPOINT)
+    res = bench_engines(model_dir, repeats=args.repeats, tokens=args.bench_tokens, progress=not args.no_progress)
+    _print(res, args.json)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from workers.bench.micro import run_bench
+
+    if args.what == "engines":
+        return _bench_engines(args)
+
+    return run_bench(args, endpoints_or_none(args))
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
+    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover", "gateway",
+                                    "engines"])
+    s.add_argument("--model-dir", default=None, help="engines: the checkpoint both engines load (default: the tiny "
+                   f"test checkpoint in {DEFAULT_VLLM_CHECKPOINT}, made if missing)")
+    s.add_argument("--bench-tokens", type=int, default=64, help="engines: tokens per sequence")
+    s.add_argument("--repeats", type=int, default=3, help="engines: throughput repeats (medians)")
+    s.add_argument("--requests", type=int, default=20_000, help="pipeline: requests in the flood")
+    s.add_argument("--requests-batching", type=int, default=1500, help="batching: trace requests per variant")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--entries", type=int, default=20000, help="streams: entries per repeat")
+    s.add_argument("--tokenizer", default=None, help="profile: count with this tokenizer.json (exact path)")
+    s.add_argument("--clients", type=int, default=32, help="gateway: concurrent HTTP clients")
+    s.add_argument("--duration-s", type=float, default=12.0, help="gateway: seconds per measured run (3 runs)")
+    s.set_defaults(fn=cmd_bench)

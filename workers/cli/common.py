@@ -1,0 +1,95 @@
+"""What every command shares: the global flags, the config they name, the Valkey/etcd endpoints to use (flags, else
+environment, else the embedded services that `rackflow services up` or `rackflow up` started), small argument types."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import re
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
+from workers.local.services import STATE_DIR
+
+
+def config_of(args: argparse.Namespace) -> RackflowConfig:
+    return load_config(Path(args.config_dir), [Path(p) for p in args.config])
+
+
+def positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def redact(url: str) -> str:
+    """`url` with its password (if any) shown as ***."""
+    return re.sub(r"(//[^:/@]*:)[^@/]+@", r"\1***@", url)
+
+
+def endpoints(args: argparse.Namespace) -> tuple[str, str]:
+    from workers.local.services import resolve_endpoints
+
+    ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
+    if ep is None:
+        raise SystemExit(
+            "rackflow: no Redis/etcd to use. Start the embedded ones with `rackflow services up`, or pass "
+            "--redis-url/--etcd-url (or set RACKFLOW_REDIS_URL/RACKFLOW_ETCD_URL)."
+        )
+    return ep.redis_url, ep.etcd_url
+
+
+def endpoints_or_none(args: argparse.Namespace) -> tuple[str, str] | None:
+    from workers.local.services import resolve_endpoints
+
+    ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
+    return (ep.redis_url, ep.etcd_url) if ep else None
+
+
+def add_global_flags(p: argparse.ArgumentParser, default: Any = None) -> None:
+    """The flags every command takes (config, endpoints, logging). On the top parser with their defaults; on each
+    subcommand again with `default=argparse.SUPPRESS`, so they may also come after the subcommand
+    (`rackflow up --config x.yaml`) and override the top parser's value only when given there."""
+
+    def d(value: Any) -> Any:
+        return value if default is None else default
+
+    taken = {o for a in p._actions for o in a.option_strings}  # a subcommand's own flag of that name wins
+    add = p.add_argument
+
+    def add_argument(flag: str, **kw: Any) -> None:
+        if flag not in taken:
+            add(flag, **kw)
+
+    p = argparse.Namespace(add_argument=add_argument)  # type: ignore[assignment]
+
+    p.add_argument("--config-dir", default=d(str(DEFAULT_CONFIG_DIR)), help="directory of gpus/models/cluster/"
+                   "policies.yaml (default: the repository's configs/)")
+    p.add_argument("--config", action="append", default=d([]), metavar="FILE",
+                   help="YAML merged over the config directory (keys gpus, models, cluster, policies); repeatable")
+    p.add_argument("--redis-url", default=d(None), help="existing Redis/Valkey (default: env RACKFLOW_REDIS_URL, "
+                   "else the embedded services of `rackflow services up` or `rackflow up`)")
+    p.add_argument("--etcd-url", default=d(None), help="existing etcd, http://HOST:PORT, or the members of one "
+                   "cluster comma-separated, http://H1:P1,http://H2:P2,... (default: env RACKFLOW_ETCD_URL, else "
+                   "the embedded services)")
+    p.add_argument("--log-level", default=d("INFO"))
+    p.add_argument("--log-json", action="store_true", default=d(False), help="log one JSON object per line (also "
+                   "RACKFLOW_LOG_JSON=1 or policies.observability.log_json); role processes started by this "
+                   "command log JSON too")
+
+
+def add_global_flags_to_subcommands(p: argparse.ArgumentParser) -> None:
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                add_global_flags(child, default=argparse.SUPPRESS)
+                add_global_flags_to_subcommands(child)
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("rackflow")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
