@@ -35,8 +35,10 @@ def endpoints(args: argparse.Namespace) -> tuple[str, str]:
     ep = resolve_endpoints(args.redis_url, args.etcd_url, STATE_DIR)
     if ep is None:
         raise SystemExit(
-            "rackflow: no Redis/etcd to use. Start the embedded ones with `rackflow services up`, or pass "
-            "--redis-url/--etcd-url (or set RACKFLOW_REDIS_URL/RACKFLOW_ETCD_URL)."
+            "rackflow: no Redis/etcd to use: no `rackflow up` or `rackflow services up` is running in this "
+            f"directory ({STATE_DIR.resolve()}). Run this command where `rackflow up` runs, start the servers "
+            "alone with `rackflow services up`, or pass --redis-url/--etcd-url (or set "
+            "RACKFLOW_REDIS_URL/RACKFLOW_ETCD_URL)."
         )
     return ep.redis_url, ep.etcd_url
 
