@@ -219,7 +219,7 @@ def test_sigkill_router_and_celery_worker(cluster: Cluster) -> None:
 def test_etcd_restart_under_load(clean_services, config_file, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """etcd (the registry, the leases, the monitor's election) goes down for a second and comes back on the same
     ports and data, as an operator's restart does: the pipeline rides through."""
-    from workers.local.services import EtcdProcess
+    from workers.local.etcd import EtcdProcess
 
     etcd = EtcdProcess(tmp_path / "etcd")
     etcd.start()

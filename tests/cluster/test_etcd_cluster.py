@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from streams import keys
+from tests.cluster.etcd_cluster import EtcdCluster
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses
-from workers.local.services import EtcdCluster
 from workers.stores.etcd import (
     EtcdUnavailable,
     FailoverClient,

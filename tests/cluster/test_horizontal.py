@@ -25,7 +25,7 @@ from streams import codec, keys
 from streams.runner import connect
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
-from workers.local.services import free_port
+from workers.local.supervise import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 

@@ -22,7 +22,8 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.local.services import ACL_FILE, ADMIN_USER, EmbeddedServices, acl_role_rules
+from workers.local.services import EmbeddedServices
+from workers.local.valkey import ACL_FILE, ADMIN_USER, acl_role_rules
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.timeout(60)]
 
@@ -254,7 +255,7 @@ def test_every_role_runs_as_its_own_acl_user(tmp_path: Path, config_file: Callab
     one ACL denial."""
     from tests.integration import harness
     from workers.local.launcher import ClusterProcesses, wait_cluster_ready
-    from workers.local.services import free_port
+    from workers.local.supervise import free_port
 
     svc = EmbeddedServices(tmp_path / "state", secure=True)
     ep = svc.start()

@@ -44,7 +44,8 @@ from pipeline.sim.simulator import percentile
 from streams import codec, keys
 from workers.bench.gateway import closed_loop, one_request, open_loop, wait_http_ready
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
-from workers.local.services import ServiceEndpoints, free_port
+from workers.local.services import ServiceEndpoints
+from workers.local.supervise import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.slow, pytest.mark.long]
 

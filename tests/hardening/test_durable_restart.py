@@ -23,7 +23,9 @@ from pipeline.config import RackflowConfig
 from streams import keys
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
-from workers.local.services import ServiceEndpoints, ValkeyProcess, free_port, valkey_durable_args
+from workers.local.services import ServiceEndpoints
+from workers.local.supervise import free_port
+from workers.local.valkey import ValkeyProcess, valkey_durable_args
 from workers.stores.ingress import Gateway
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening, pytest.mark.timeout(180)]

@@ -85,7 +85,7 @@ def test_up_serves_requests_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
     override.write_text(yaml.safe_dump(harness.SMALL_CLUSTER))
     e = {k: v for k, v in os.environ.items() if not k.startswith("RACKFLOW_")}
-    from workers.local.services import free_port
+    from workers.local.supervise import free_port
 
     port, flower = free_port(), free_port()
     # started with SIGINT ignored, as a shell starts a background job (`rackflow up &`, a CI script): the Ctrl-C

@@ -567,7 +567,7 @@ def test_no_auth_gateway_and_clean_sigterm(env: Env) -> None:
 
 
 def test_without_redis_health_is_503_and_requests_get_503(env: Env) -> None:
-    from workers.local.services import free_port
+    from workers.local.supervise import free_port
 
     dead = f"redis://127.0.0.1:{free_port()}/0"
     gw = start_gateway(env.config, dead, env.services.etcd_url, env.tmp / "gateway-d.log")

@@ -37,7 +37,8 @@ from streams import codec, keys
 from tests.conftest import REPO, _clean
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
-from workers.local.services import ServiceEndpoints, free_port
+from workers.local.services import ServiceEndpoints
+from workers.local.supervise import free_port
 from workers.shell.runtime import WALL
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,8 @@ from streams.errors import StreamError, TransientStreamError
 from workers.kv.l1 import SharedMemoryStore
 from workers.kv.l2 import ValkeyStore, blob_key, versions_key
 from workers.kv.manager import KvTierManager
-from workers.local.services import ServiceEndpoints, free_port
+from workers.local.services import ServiceEndpoints
+from workers.local.supervise import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from streams import keys
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
-from workers.local.services import free_port
+from workers.local.supervise import free_port
 
 pytestmark = pytest.mark.integration
 

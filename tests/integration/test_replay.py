@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
-from workers.local.services import ValkeyProcess
+from workers.local.valkey import ValkeyProcess
 
 pytestmark = pytest.mark.integration
 

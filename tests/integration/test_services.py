@@ -18,17 +18,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.local.services import (
-    ENV_ETCD_URL,
-    ENV_REDIS_URL,
-    EmbeddedServices,
-    EtcdProcess,
-    ServiceEndpoints,
-    ServiceError,
-    ValkeyProcess,
-    free_port,
-    resolve_endpoints,
-)
+from workers.local.etcd import EtcdProcess
+from workers.local.services import ENV_ETCD_URL, ENV_REDIS_URL, EmbeddedServices, ServiceEndpoints, resolve_endpoints
+from workers.local.supervise import ServiceError, free_port
+from workers.local.valkey import ValkeyProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

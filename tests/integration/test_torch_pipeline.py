@@ -86,7 +86,7 @@ def test_fifty_requests_produce_real_text(clean_services, config_file, tmp_path)
 def test_rackflow_up_with_torch_serves_a_streaming_completion(tmp_path: Path) -> None:
     import yaml
 
-    from workers.local.services import free_port
+    from workers.local.supervise import free_port
 
     override = json.loads(json.dumps(TORCH_CLUSTER))
     override["policies"]["kv"] = {"l1_dir": str(tmp_path / "l1")}

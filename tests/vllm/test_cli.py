@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workers.local.services import free_port
+from workers.local.supervise import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -199,7 +199,7 @@ async def wait_http_ready(url: str, timeout_s: float = 60.0) -> None:
 
 def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: float = 12.0, repeats: int = 3,
                   max_tokens: int = 8, stream_every: int = 5, progress: bool = True) -> dict[str, Any]:
-    from workers.local.services import free_port
+    from workers.local.supervise import free_port
 
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rackflow-bench-") as tmp:

@@ -21,7 +21,8 @@ from workers.shell.runtime import setup_logging
 # -- services ------------------------------------------------------------------------------------------------------
 def cmd_services(args: argparse.Namespace) -> int:
 
-    from workers.local.services import EmbeddedServices, ServiceError
+    from workers.local.services import EmbeddedServices
+    from workers.local.supervise import ServiceError
 
     svc = EmbeddedServices(STATE_DIR, durable=getattr(args, "durable", None), secure=getattr(args, "secure", False),
                            detach=True)  # `services up` returns: its servers stay

@@ -28,7 +28,7 @@ def port_free(port: int) -> bool:
 
 def flower_port(requested: int | None) -> int:
     """Flower's port: the one asked for (it must be free), else 5555, else any free port (said in the log)."""
-    from workers.local.services import free_port
+    from workers.local.supervise import free_port
 
     if requested is not None:
         if not port_free(requested):

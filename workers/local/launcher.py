@@ -109,7 +109,7 @@ class ClusterProcesses:
         log_path = self.log_dir / f"{name}.log"
         metrics_port = None
         if self.metrics and role != "gateway":
-            from workers.local.services import free_port
+            from workers.local.supervise import free_port
 
             metrics_port = free_port()
             extra = [*extra, "--metrics-port", str(metrics_port)]

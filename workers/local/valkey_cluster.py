@@ -15,7 +15,8 @@ from typing import Self
 
 import redis
 
-from workers.local.services import LOOPBACK, ServiceError, ValkeyProcess, free_port
+from workers.local.supervise import LOOPBACK, ServiceError, free_port
+from workers.local.valkey import ValkeyProcess
 
 SLOTS = 16384
 
