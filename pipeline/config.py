@@ -15,12 +15,16 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from pipeline.errors import RackflowError
+
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-CONFIG_FILES = ("gpus.yaml", "models.yaml", "cluster.yaml", "policies.yaml", "gateway.yaml")
+TOP_LEVEL_KEYS = ("gpus", "models", "cluster", "policies", "gateway")
+"""The sections of a configuration: one file each in the config directory, and the only keys an overlay may have."""
+CONFIG_FILES = tuple(f"{k}.yaml" for k in TOP_LEVEL_KEYS)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 
 
-class ConfigError(ValueError):
+class ConfigError(RackflowError, ValueError):
     """A configuration value is wrong; the message names the field path and what is allowed."""
 
 
@@ -493,6 +497,18 @@ class HealthPolicy(_Strict):
     interval_ms: int = Field(default=200, ge=10, le=60_000)
     """Health sample interval of the agent."""
 
+    @model_validator(mode="after")
+    def _ordered(self) -> HealthPolicy:
+        # inverted, the hysteresis becomes a bounce: a steady score between the two is drained, recovers after
+        # recover_samples samples and is drained again at once, forever
+        if self.drain_below > self.recover_above:
+            raise ValueError(f"drain_below ({self.drain_below}) must not be above recover_above "
+                             f"({self.recover_above}): a node would be drained and recovered over and over")
+        if self.temp_limit_c <= self.temp_warn_c:
+            raise ValueError(f"temp_limit_c ({self.temp_limit_c}) must be above temp_warn_c ({self.temp_warn_c}): "
+                             "the temperature penalty ramps from the first to the second")
+        return self
+
 
 class AuthConfig(_Strict):
     mode: Literal["none", "hs256", "rs256"] = "hs256"
@@ -722,7 +738,19 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def overlay(raw: Mapping[str, Any], over: Mapping[str, Any], source: str = "overlay") -> dict[str, Any]:
+    """`raw` with `over` merged on top (mappings merge key by key, anything else replaces), as a new dict: how an
+    override file applies, and how code builds a small variant of a config without writing a temporary file:
+    `parse_config(overlay(raw_config(), {"cluster": {...}, "policies": {"seed": 3}}))`. `over` may only have the
+    top-level keys of TOP_LEVEL_KEYS; `source` names it in the error otherwise."""
+    unknown = sorted(set(over) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level keys {unknown}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+    return _deep_merge(dict(raw), over)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """One YAML file as a mapping (an empty file is {}); ConfigError naming the file when it is not."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -737,21 +765,15 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def raw_config(config_dir: Path = DEFAULT_CONFIG_DIR, overrides: Iterable[Path] = ()) -> dict[str, Any]:
-    """The merged YAML as plain data: `config_dir/{gpus,models,cluster,policies}.yaml`, then each override file
-    (a YAML with any of the top-level keys gpus/models/cluster/policies) merged on top."""
+    """The merged YAML as plain data: `config_dir/{gpus,models,cluster,policies,gateway}.yaml`, then each override
+    file (a YAML with any of the TOP_LEVEL_KEYS) merged on top (`overlay`)."""
     raw: dict[str, Any] = {}
     for name in CONFIG_FILES:
         path = config_dir / name
         if path.exists():
-            raw[name.removesuffix(".yaml")] = _read_yaml(path)
+            raw[name.removesuffix(".yaml")] = read_yaml(path)
     for path in overrides:
-        over = _read_yaml(Path(path))
-        unknown = sorted(set(over) - {"gpus", "models", "cluster", "policies", "gateway"})
-        if unknown:
-            raise ConfigError(
-                f"{path}: unknown top-level keys {unknown}; allowed: gpus, models, cluster, policies, gateway"
-            )
-        raw = _deep_merge(raw, over)
+        raw = overlay(raw, read_yaml(Path(path)), source=str(path))
     return raw
 
 

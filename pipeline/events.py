@@ -16,11 +16,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
+from pipeline.errors import RackflowError
+
 REQUEST_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 """What a request (or job) id looks like: a lowercase UUID, as the gateway mints them (`uuid4()`)."""
 
 
-class EventValidationError(ValueError):
+class EventValidationError(RackflowError, ValueError):
     """Plain data does not form a valid event; `path` names the offending field."""
 
     def __init__(self, event_type: str, path: str, reason: str) -> None:

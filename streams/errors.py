@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-
-class RackflowError(Exception):
-    """Root of rackflow's own exceptions."""
-
-    retryable = False
+from pipeline.errors import RackflowError
 
 
 class StreamError(RackflowError):

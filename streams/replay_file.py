@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import msgpack
 import redis.asyncio as aioredis
 
+from pipeline.errors import RackflowError
 from streams import keys
 
 MAGIC = b"RFR1"
@@ -30,7 +31,7 @@ CHUNK = 2000
 Progress = Callable[[int], None]
 
 
-class RecordingError(ValueError):
+class RecordingError(RackflowError, ValueError):
     """The file is not a rackflow recording, or is damaged; the message says which."""
 
 

@@ -30,6 +30,7 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline.backoff import ExponentialBackoff, Retrying
 from pipeline.events import Event
 from streams import codec, keys
 from streams.errors import DecodeError, TransientStreamError
@@ -37,6 +38,8 @@ from streams.errors import DecodeError, TransientStreamError
 log = logging.getLogger(__name__)
 
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, TransientStreamError)
+READ_BACKOFF = ExponentialBackoff(base=0.05, cap=5.0, jitter=True)
+"""A consumer's reads through an outage: 0.05 s doubling to 5 s, each times [1, 2) so consumers spread out."""
 
 
 try:
@@ -235,7 +238,7 @@ class StreamConsumer:
         self.stats = RunnerStats()
         self._stopping = asyncio.Event()
         self._deferred: set[str] = set()
-        self._backoff = 0.05
+        self._backoff = Retrying(READ_BACKOFF, random.Random())
         self._heartbeat: asyncio.Task[None] | None = None
 
     # -- public ------------------------------------------------------------------------------------------------
@@ -284,12 +287,11 @@ class StreamConsumer:
     async def _guarded(self, step: Callable[[], Awaitable[None]]) -> None:
         try:
             await step()
-            self._backoff = 0.05
+            self._backoff.reset()
         except TRANSIENT as e:
-            delay = self._backoff * (1 + random.random())
+            delay = self._backoff.next_delay()
             log.warning("%s/%s: server unavailable (%s); retrying in %.2fs", self.stream, self.consumer, e, delay)
             await asyncio.sleep(delay)
-            self._backoff = min(self._backoff * 2, 5.0)
 
     async def _read_own_pending(self) -> None:
         start = "0-0"

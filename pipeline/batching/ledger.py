@@ -10,14 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pipeline.routing.views import NodeView
-
-
-def stream_id_key(entry_id: str) -> tuple[int, int]:
-    """Order of Redis stream ids "ms-seq"; an empty id sorts first."""
-    if not entry_id:
-        return (-1, -1)
-    ms, _, seq = entry_id.partition("-")
-    return (int(ms), int(seq or 0))
+from pipeline.stats import stream_id_key
 
 
 @dataclass

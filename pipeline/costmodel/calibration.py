@@ -40,6 +40,7 @@ from pipeline.costmodel.operators import (
     LayerShape,
     op_work,
 )
+from pipeline.errors import RackflowError
 
 FORMAT_VERSION = 1
 ARCH_FALLBACK = {"blackwell": "hopper"}
@@ -48,7 +49,7 @@ ARCH_FALLBACK = {"blackwell": "hopper"}
 _F = npt.NDArray[np.float64]
 
 
-class CalibrationError(ValueError):
+class CalibrationError(RackflowError, ValueError):
     """The calibration cannot serve a request (no data for an architecture, a malformed calibration file)."""
 
 

@@ -13,10 +13,12 @@ from typing import Any
 
 import msgpack
 
+from pipeline.errors import RackflowError
+
 SNAPSHOT_FORMAT = 1
 
 
-class SnapshotError(ValueError):
+class SnapshotError(RackflowError, ValueError):
     """Bytes that are not a KV snapshot of a supported format, or a snapshot for another model/engine."""
 
 

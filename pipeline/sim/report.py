@@ -6,7 +6,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from pipeline.sim.simulator import SimResult, percentile
+from pipeline.sim.simulator import SimResult
+from pipeline.stats import percentile
 
 
 def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:

@@ -605,13 +605,3 @@ class Simulator:
 
 def _lookup(costs: dict[str, StepCost]) -> Callable[[NodeSpec], StepCost]:
     return lambda n: costs[n.name]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method)."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)

@@ -14,6 +14,8 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from pipeline.errors import RackflowError
+
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
@@ -27,7 +29,7 @@ class TraceRequest:
     model: str = ""
 
 
-class TraceError(ValueError):
+class TraceError(RackflowError, ValueError):
     """A trace line cannot be parsed; the message names the line and the field."""
 
 

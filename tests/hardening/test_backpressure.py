@@ -40,7 +40,7 @@ import yaml
 
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import HealthEvent, ResultEvent
-from pipeline.sim.simulator import percentile
+from pipeline.stats import percentile
 from streams import codec, keys
 from workers.bench.gateway import closed_loop, one_request, open_loop, wait_http_ready
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.sim.report import summarize
-from pipeline.sim.simulator import SimParams, Simulator, percentile
+from pipeline.sim.simulator import SimParams, Simulator
 from pipeline.sim.traces import TraceRequest, assign_users, parse_mooncake, scale_rate
+from pipeline.stats import percentile
 from workers.sim.harness import cost_factory
 
 REPO = Path(__file__).resolve().parents[2]

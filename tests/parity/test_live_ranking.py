@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from pipeline.config import RackflowConfig
-from pipeline.sim.simulator import percentile
 from pipeline.sim.traces import MultiTurnSpec, TraceRequest, multiturn
+from pipeline.stats import percentile
 from pipeline.tokens import prefix_hashes_from_ids
 from tests.conftest import _clean
 from tests.parity.ranking import REPO, at_load, capacity, config_with, ranking, sim_ttft_p99, window

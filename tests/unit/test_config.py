@@ -311,3 +311,19 @@ def test_static_weight_out_of_bounds_is_rejected_naming_the_field(weight: float)
     raw = base()
     raw["policies"]["node_selection"]["static_weights"] = {"r0-n0": weight}
     assert "policies.node_selection.static_weights" in error_of(raw)
+
+
+def test_overlay_builds_a_variant_without_a_file_and_refuses_unknown_sections() -> None:
+    from pipeline.config import TOP_LEVEL_KEYS, ConfigError, overlay, parse_config, raw_config
+
+    raw = raw_config()
+    small = {"cluster": {"racks": [{"name": "r0", "node_count": 1, "node": {"gpu": "h100-80gb", "tp": 1,
+                                                                    "models": ["qwen2-7b"]}}]},
+             "policies": {"seed": 7, "batcher": {"window_ms": 25}}}
+    cfg = parse_config(overlay(raw, small))
+    assert [n.name for n in cfg.nodes()] == ["r0-n0"] and cfg.policies.seed == 7
+    assert cfg.policies.batcher.window_ms == 25
+    assert raw == raw_config(), "overlay must not modify its input"
+    assert "gateway" in TOP_LEVEL_KEYS
+    with pytest.raises(ConfigError, match=r"unknown top-level keys \['polices'\]"):
+        overlay(raw, {"polices": {}})

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from pipeline.events import RequestEvent
+from pipeline.stats import percentile
 from workers.shell.runtime import WALL
 
 
@@ -115,9 +116,9 @@ def bench_engines(model_dir: Path, repeats: int = 3, tokens: int = 64, ttft_requ
         loop.close()
     n = ttft_requests
     out["ttft"] = {"requests": n, "gateway_p50_ms": round(statistics.median(via), 1),
-                   "gateway_p90_ms": round(sorted(via)[int(0.9 * (n - 1))], 1),
+                   "gateway_p90_ms": round(percentile(via, 90), 1),
                    "vllm_alone_p50_ms": round(statistics.median(alone), 1),
-                   "vllm_alone_p90_ms": round(sorted(alone)[int(0.9 * (n - 1))], 1),
+                   "vllm_alone_p90_ms": round(percentile(alone, 90), 1),
                    "added_p50_ms": round(statistics.median(via) - statistics.median(alone), 1)}
     return out
 

@@ -26,8 +26,8 @@ import yaml
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import DecisionEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
-from pipeline.sim.simulator import percentile
 from pipeline.sim.traces import assign_users, parse_azure
+from pipeline.stats import percentile
 from streams import codec, keys
 from streams.runner import connect
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready

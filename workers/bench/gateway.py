@@ -36,7 +36,7 @@ import yaml
 from tqdm import tqdm
 
 from pipeline.config import DEFAULT_CONFIG_DIR, load_config
-from pipeline.sim.simulator import percentile
+from pipeline.stats import percentile
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
 from workers.shell.runtime import run_async
 

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from pipeline.config import KvTierConfig
 from pipeline.kv.snapshot import KvSnapshot
+from pipeline.stats import percentile
 from streams.runner import connect
 from workers.kv.l1 import SharedMemoryStore
 from workers.kv.l2 import ValkeyStore
@@ -32,8 +33,7 @@ _SHM = Path("/dev/shm")
 
 
 def _pct_ms(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(len(s) * q))] * 1e3
+    return percentile(samples, q * 100) * 1e3
 
 
 async def _round(m: KvTierManager, data: bytes, n: int) -> dict[str, float]:

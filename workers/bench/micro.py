@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.events import RequestEvent
+from pipeline.stats import percentile
 from streams import codec
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers.shell.runtime import WALL
@@ -108,8 +109,7 @@ def _text_of_tokens(kind: str, tokens: int, rates: Any) -> str:
 
 
 def _percentiles_us(samples: list[float]) -> tuple[float, float]:
-    s = sorted(samples)
-    return (round(s[len(s) // 2] * 1e6, 1), round(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6, 1))
+    return round(percentile(samples, 50) * 1e6, 1), round(percentile(samples, 99) * 1e6, 1)
 
 
 def bench_profile(config_dir: Path, overrides: list[Path], tokens: int = 8000, iterations: int = 3000,

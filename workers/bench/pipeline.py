@@ -33,7 +33,7 @@ from tqdm import tqdm
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import RequestEvent, ResultEvent
 from pipeline.profiling import ProfileInput
-from pipeline.sim.simulator import percentile
+from pipeline.stats import percentile
 from streams import keys
 from streams.runner import StreamProducer, connect
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
+from pipeline.config import DEFAULT_CONFIG_DIR, TOP_LEVEL_KEYS, RackflowConfig, load_config
 from workers.local.services import STATE_DIR
 
 
@@ -70,7 +70,7 @@ def add_global_flags(p: argparse.ArgumentParser, default: Any = None) -> None:
     p.add_argument("--config-dir", default=d(str(DEFAULT_CONFIG_DIR)), help="directory of gpus/models/cluster/"
                    "policies.yaml (default: the repository's configs/)")
     p.add_argument("--config", action="append", default=d([]), metavar="FILE",
-                   help="YAML merged over the config directory (keys gpus, models, cluster, policies); repeatable")
+                   help=f"YAML merged over the config directory (keys {', '.join(TOP_LEVEL_KEYS)}); repeatable")
     p.add_argument("--redis-url", default=d(None), help="existing Redis/Valkey (default: env RACKFLOW_REDIS_URL, "
                    "else the embedded services of `rackflow services up` or `rackflow up`)")
     p.add_argument("--etcd-url", default=d(None), help="existing etcd, http://HOST:PORT, or the members of one "

@@ -28,6 +28,7 @@ from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, DecisionEvent, ReleaseEvent, RequestEvent, ResultEvent, ResumeEvent, TokenEvent
 from pipeline.failover import LiveSequence, plan_migrations
 from pipeline.routing.views import NodeView
+from pipeline.stats import stream_id_key
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import StreamProducer, connect
@@ -307,13 +308,8 @@ async def release_unstarted(ctx: FailoverContext, node: str, unstarted: Unstarte
         group = next((g for g in info if g.get("name") in (keys.GROUP_WORKER, keys.GROUP_WORKER.encode())), None)
         last = group.get("last-delivered-id") if group else None
         last = last.decode() if isinstance(last, bytes) else str(last or "0-0")
-        if _id_key(unstarted.tail_id) > _id_key(last):  # never move the group backwards
+        if stream_id_key(unstarted.tail_id) > stream_id_key(last):  # never move the group backwards
             await ctx.r.xgroup_setid(stream, keys.GROUP_WORKER, unstarted.tail_id)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms or 0), int(seq or 0)
 
 
 async def _done_set(ctx: FailoverContext, ids: list[str]) -> set[str]:

@@ -36,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.config import RackflowConfig
+from pipeline.errors import RackflowError
 from pipeline.events import CancelEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
 from streams import keys
@@ -57,16 +58,16 @@ OVERLOAD_RETRIES = 600
 SPEC_FIELDS = ("prompt", "model", "max_tokens", "user")
 
 
-class JobFailed(Exception):
+class JobFailed(RackflowError):
     """The job's request was refused, ended with an error, or got no result in time (the message says which)."""
 
 
-class JobCancelled(Exception):
+class JobCancelled(RackflowError):
     """The job's request was cancelled (its final result has status `cancelled`)."""
 
 
 # -- what a job asks for -------------------------------------------------------------------------------------------
-class JobSpecError(ValueError):
+class JobSpecError(RackflowError, ValueError):
     """A job request that cannot be submitted; the message starts with where it is (line, index), `field` names the
     offending field when there is one."""
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from pipeline.errors import RackflowError
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 
 
-class EngineError(RuntimeError):
+class EngineError(RackflowError, RuntimeError):
     """The engine cannot do what was asked (unknown sequence, snapshot for another model, ...)."""
 
 

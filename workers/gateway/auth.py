@@ -24,6 +24,7 @@ from typing import Any
 import jwt
 
 from pipeline.config import AuthConfig, ConfigError, RackflowConfig
+from pipeline.errors import RackflowError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _MIN_HS256_SECRET_BYTES = 32
 _MAX_TOKEN_CHARS = 16_384
 
 
-class AuthError(Exception):
+class AuthError(RackflowError):
     """The caller is not authenticated (401) or not allowed to do this (403); the message says what to fix."""
 
     def __init__(self, message: str, status: int = 401, code: str = "invalid_token") -> None:

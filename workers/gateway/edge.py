@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import NoPermissionError, RedisError
 
 from pipeline.config import RackflowConfig
+from pipeline.errors import RackflowError
 from workers.gateway.auth import Authenticator, AuthError, Principal
 from workers.gateway.openai_api import (
     error_body,
@@ -34,7 +35,7 @@ _STATUS_TYPE = {
 
 
 
-class ApiError(Exception):
+class ApiError(RackflowError):
     """An answer other than success; `code` is machine-readable and also the `reason` label of the rejected count."""
 
     def __init__(

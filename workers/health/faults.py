@@ -25,8 +25,8 @@ from typing import Any
 import redis.asyncio as aioredis
 import yaml
 
+from pipeline.errors import RackflowError
 from streams import keys
-from streams.errors import RackflowError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from streams.errors import RackflowError
+from pipeline.errors import RackflowError
 
 log = logging.getLogger(__name__)
 

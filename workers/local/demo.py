@@ -26,8 +26,8 @@ from tqdm import tqdm
 from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, ResultEvent
 from pipeline.profiling import ProfileInput
-from pipeline.sim.simulator import percentile
 from pipeline.sim.traces import TraceRequest, parse_azure
+from pipeline.stats import percentile
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import connect

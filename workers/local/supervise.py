@@ -25,6 +25,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pipeline.errors import RackflowError
 from workers.shell.runtime import die_with_parent
 
 logger = logging.getLogger("workers.local.services")
@@ -66,7 +67,7 @@ def _free_ports(count: int, host: str = LOOPBACK) -> list[int]:
             sock.close()
 
 
-class ServiceError(RuntimeError):
+class ServiceError(RackflowError, RuntimeError):
     """A local Valkey/etcd server could not be started, stopped or found.
 
     The message names the service, says what failed and carries the tail of its log file.

@@ -15,6 +15,7 @@ from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, HealthEvent, RequestEvent, ResultEvent
 from pipeline.health import HealthSample, HealthScorer
 from pipeline.replay import summary
+from pipeline.stats import percentile, stream_id_ms
 from streams import keys
 from streams.replay_file import Header, read_records
 from workers.replay.rerun import decoded, replay
@@ -22,16 +23,9 @@ from workers.replay.rerun import decoded, replay
 BIN_MS = 10_000.0
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, math.ceil(q / 100.0 * len(s)) - 1))
-    return s[k]
-
-
-def _ms(eid: str) -> float:
-    return float(eid.split("-", 1)[0])
+def _bin_pct(xs: list[float], q: float) -> float:
+    """A bin's percentile for the plot: NaN (a gap in the line) for a bin without samples."""
+    return percentile(xs, q) if xs else math.nan
 
 
 class Timeline:
@@ -77,12 +71,12 @@ class Timeline:
                     self.load[ev.node][b].append(float(ev.running + ev.waiting))
             return
         if stream == keys.DLQ:
-            b = self.bin(_ms(eid))
+            b = self.bin(stream_id_ms(eid))
             if b is not None:
                 self.dlq[b] += 1
                 self.totals["dlq"] += 1
             return
-        b = self.bin(_ms(eid))
+        b = self.bin(stream_id_ms(eid))
         if b is None:
             return
         if isinstance(ev, RequestEvent) and stream == keys.INGRESS:
@@ -133,9 +127,9 @@ def _plots(tl: Timeline, out: Path) -> list[str]:
     ax[0].set_ylabel("requests / s")
     ax[0].legend(loc="upper right")
     for q, c in ((50, "#54a24b"), (95, "#f58518"), (99, "#e45756")):
-        ax[1].plot(xs, [_pct(tl.latency.get(i, []), q) / 1000 for i in range(tl.bins)], marker=".", color=c,
+        ax[1].plot(xs, [_bin_pct(tl.latency.get(i, []), q) / 1000 for i in range(tl.bins)], marker=".", color=c,
                    label=f"P{q} end-to-end")
-    ax[1].plot(xs, [_pct(tl.ttft.get(i, []), 95) / 1000 for i in range(tl.bins)], ls="--", color="#72b7b2",
+    ax[1].plot(xs, [_bin_pct(tl.ttft.get(i, []), 95) / 1000 for i in range(tl.bins)], ls="--", color="#72b7b2",
                label="P95 TTFT")
     ax[1].set_ylabel("seconds")
     ax[1].set_xlabel("seconds since the window start (10 s bins, by finish time)")
@@ -193,7 +187,7 @@ def write_report(path: Path, header: Header, config: RackflowConfig, policy: str
     rs = summary(rp.stats, rp.differences, rp.what_if, policy or config.policies.node_selection.policy)
     plots = _plots(tl, out)
     all_lat = [x for v in tl.latency.values() for x in v]
-    lat = {f"p{q}_ms": round(_pct(all_lat, q), 1) if all_lat else None for q in (50, 95, 99)}
+    lat = {f"p{q}_ms": round(percentile(all_lat, q), 1) if all_lat else None for q in (50, 95, 99)}
     facts = {
         "window_s": round((header.until_ms - header.since_ms) / 1000.0, 1),
         "entries": header.total,

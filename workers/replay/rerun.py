@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pipeline.config import RackflowConfig, _deep_merge, _read_yaml, parse_config
+from pipeline.config import RackflowConfig, overlay, parse_config, read_yaml
 from pipeline.events import DecisionEvent, RequestEvent
 from pipeline.replay import Replayer
 from streams import codec, keys
@@ -62,7 +62,7 @@ async def export_window(redis_url: str, path: Path, since: float, until: float, 
 def recorded_config(header: Header, override: str | None, fallback: Config) -> RackflowConfig:
     raw = dict(header.config) if header.config else fallback().model_dump(mode="json")
     if override:
-        raw = _deep_merge(raw, _read_yaml(Path(override)))
+        raw = overlay(raw, read_yaml(Path(override)), source=str(override))
     return parse_config(raw, source=override or "recorded config")
 
 

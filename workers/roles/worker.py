@@ -23,7 +23,7 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pipeline.batching.ledger import stream_id_key
+from pipeline.stats import stream_id_key
 from pipeline.config import RackflowConfig
 from pipeline.costmodel import CalibratedCostModel
 from pipeline.events import (

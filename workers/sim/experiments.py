@@ -36,18 +36,9 @@ def _cluster(racks: int, nodes_per_rack: int, gpu: str = "h100-80gb", tp: int = 
 
 def _config(args: argparse.Namespace, cluster: dict[str, Any], policy: str, seed: int,
             batcher: dict[str, Any] | None = None, profiling: dict[str, Any] | None = None) -> RackflowConfig:
-    import tempfile
-
-    import yaml
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
-        yaml.safe_dump({"cluster": cluster, "policies": {"seed": seed}}, fh)
-        path = fh.name
     extra = {k: v for k, v in (("batcher", batcher), ("profiling", profiling)) if v} or None
-    try:
-        return sim_config(Path(args.config_dir), [Path(p) for p in args.config], path, policy, extra)
-    finally:
-        Path(path).unlink(missing_ok=True)
+    return sim_config(Path(args.config_dir), [Path(p) for p in args.config], None, policy, extra,
+                      over={"cluster": cluster, "policies": {"seed": seed}})
 
 
 def _azure(limit: int | None, rate: float, seed: int, users: int = 2000) -> list[TraceRequest]:

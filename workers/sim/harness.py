@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pipeline.config import NodeSpec, RackflowConfig, parse_config, raw_config
+from pipeline.config import NodeSpec, RackflowConfig, overlay, parse_config, raw_config
 from pipeline.sim.node import StepCost
 from pipeline.sim.report import latencies, per_node_load, summarize
 from pipeline.sim.simulator import Fault, SimParams, SimResult, Simulator
@@ -68,14 +68,15 @@ def load_trace(path: str | None, fmt: str, limit: int | None, seed: int, synthet
 
 
 def sim_config(config_dir: Path, overrides: Sequence[Path], cluster: str | None, policy: str | None,
-               extra: dict[str, Any] | None = None) -> RackflowConfig:
+               extra: dict[str, Any] | None = None, over: dict[str, Any] | None = None) -> RackflowConfig:
+    """The config of a simulation: the directory and override files, then `cluster` (a YAML file), then `over`
+    (plain data, see pipeline.config.overlay), the node policy and `extra` policy sections on top."""
     raw = raw_config(config_dir, [*overrides, *([Path(cluster)] if cluster else [])])
+    raw = overlay(raw, over or {}, source="simulation overlay")
+    policies: dict[str, Any] = dict(extra or {})
     if policy:
-        raw.setdefault("policies", {}).setdefault("node_selection", {})["policy"] = policy
-    for section, values in (extra or {}).items():
-        node = raw.setdefault("policies", {}).setdefault(section, {})
-        node.update(values)
-    return parse_config(raw, source="simulation config")
+        policies["node_selection"] = {"policy": policy}
+    return parse_config(overlay(raw, {"policies": policies}), source="simulation config")
 
 
 def parse_faults(spec: str | None) -> list[Fault]:

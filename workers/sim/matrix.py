@@ -39,8 +39,9 @@ from typing import Any
 from pipeline.config import ALL_NODE_POLICIES, RackflowConfig
 from pipeline.kv.prefix_cache import ideal_hit_rate
 from pipeline.sim.report import kv_util_peak
-from pipeline.sim.simulator import Fault, SimParams, percentile
+from pipeline.sim.simulator import Fault, SimParams
 from pipeline.sim.traces import TraceRequest, assign_users, scale_rate
+from pipeline.stats import percentile
 from workers.sim.harness import REPO, load_trace, run_once, sim_config
 
 DEFAULT_TRACES = (

@@ -38,6 +38,7 @@ from pipeline.costmodel import CalibrationError as CalibrationError
 from pipeline.costmodel import load_calibration as load_calibration
 from pipeline.costmodel import read_calibration_document as read_calibration_document
 from pipeline.costmodel.operators import PROFILED_OPS
+from pipeline.errors import RackflowError
 
 REPO = Path(workers.__file__).resolve().parent.parent
 PROFILE_DIR = REPO / "data" / "profiles" / "vidur"
@@ -215,7 +216,7 @@ def format_all_reduce_errors(errors: Mapping[tuple[str, int], float]) -> str:
 
 
 # -- `rackflow perf` -----------------------------------------------------------------------------------------------
-class DoesNotFit(ValueError):
+class DoesNotFit(RackflowError, ValueError):
     """The model's weights do not fit the GPU memory at the requested tensor-parallel degree."""
 
 

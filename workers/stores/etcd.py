@@ -27,8 +27,9 @@ import aetcd
 import aetcd.exceptions as aex
 import aetcd.leases
 
+from pipeline.backoff import ExponentialBackoff, Retrying
+from pipeline.errors import RackflowError
 from streams import keys
-from streams.errors import RackflowError
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,11 @@ def parse_etcd_urls(url: str) -> list[tuple[str, int]]:
     return out
 
 
-class EndpointsExhausted(aex.ConnectionFailedError):
+class EndpointsExhausted(aex.ConnectionFailedError, RackflowError):
     """No endpoint of a multi-endpoint etcd URL answered a call: the cluster has lost its quorum, or every listed
     member is unreachable. An aetcd ConnectionFailedError, so every `except aex.ClientError` translates it."""
+
+    retryable = True
 
 
 class _LeaderRequiredClient(aetcd.Client):
@@ -108,6 +111,10 @@ _RETRY_INTERNAL = frozenset({
 """Calls retried on the next member after an INTERNAL status too: gRPC core reports a stream or connection that
 breaks mid-call (a member killed or restarting, the lease keep-alive stream above all) as INTERNAL ("Internal error
 from Core"), not UNAVAILABLE. These calls are idempotent; a compare-and-swap transaction is not retried on it."""
+
+
+ROUND_BACKOFF = ExponentialBackoff(base=0.1, cap=1.0)
+"""Between two rounds over every member that none answered: 0.1 s doubling to 1 s (an election takes 1-2 s)."""
 
 
 class FailoverClient:
@@ -161,7 +168,7 @@ class FailoverClient:
         deadline = start + self.retry_s
         tried: dict[str, str] = {}
         attempts = 0
-        delay = 0.1
+        rounds = Retrying(ROUND_BACKOFF)
         while True:
             first = self._current
             for k in range(n):
@@ -196,8 +203,7 @@ class FailoverClient:
                     f"({attempts} attempts): quorum lost (a majority of the members down or cut off) or every "
                     "endpoint unreachable; tried " + "; ".join(f"{u} ({why})" for u, why in tried.items())
                 )
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, 1.0)
+            await asyncio.sleep(min(rounds.next_delay(), left))
 
     def _moved_off(self, i: int, e: Exception) -> None:
         if self._current != i:  # another call has moved on already

@@ -24,6 +24,7 @@ from redis.exceptions import NoPermissionError
 
 from pipeline.admission import Admission, ShedReason
 from pipeline.config import RackflowConfig
+from pipeline.errors import RackflowError
 from pipeline.events import HealthEvent, RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput, profile_request
 from pipeline.routing.rack_affinity import RackAffinityRouter
@@ -48,7 +49,7 @@ def _no_stream_yet(exc: aioredis.ResponseError, key: str, command: str) -> None:
         raise exc
 
 
-class RequestRejected(ValueError):
+class RequestRejected(RackflowError, ValueError):
     """The request cannot be admitted; `status` is the HTTP status to answer with, the message says what to change."""
 
     def __init__(

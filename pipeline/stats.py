@@ -1,0 +1,32 @@
+"""The one percentile every report uses (simulator, demo, replay, benchmarks), and the one ordering of Redis stream
+ids, so that two reports of the same samples, or two components comparing the same ids, never disagree."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linearly interpolated between closest ranks (numpy's default method); 0.0 for no
+    values (callers that must tell "no data" apart check emptiness first)."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stream_id_key(entry_id: str) -> tuple[int, int]:
+    """Sort key of a Redis stream id "ms-seq" (a bare "ms" is "ms-0"); an empty id (none yet) sorts before every
+    real id, "0-0" included."""
+    if not entry_id:
+        return (-1, -1)
+    ms, _, seq = entry_id.partition("-")
+    return (int(ms), int(seq or 0))
+
+
+def stream_id_ms(entry_id: str) -> float:
+    """The millisecond time part of a stream id (when the server appended the entry)."""
+    return float(stream_id_key(entry_id)[0])
