@@ -34,7 +34,7 @@ from pipeline.events import BlockEvent, DecisionEvent, RequestEvent
 from pipeline.routing.node_policies.base import StepTime
 from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.rack_affinity import RackAffinityRouter
-from pipeline.routing.registry import NODE_POLICIES, NodePolicySet, PolicyContext, lookup
+from pipeline.routing.registry import NODE_POLICIES, NodePolicySet, PolicyContext, build_router, lookup
 from pipeline.routing.views import NodeView, RackView
 
 VIEW_FIELDS = (
@@ -152,8 +152,7 @@ def rack_batcher(
 
 def rack_router(config: RackflowConfig) -> RackAffinityRouter:
     """The router policy as `rackflow router` builds it."""
-    racks_by_model = {m: config.racks_serving(m) for m in config.models}
-    return RackAffinityRouter.from_config(racks_by_model, config.policies.router)
+    return build_router(config)
 
 
 def with_node_policy(config: RackflowConfig, policy: str | None) -> RackflowConfig:

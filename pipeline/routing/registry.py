@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import NodeSelectionPolicy
+from pipeline.config import NodeSelectionPolicy, RackflowConfig
 from pipeline.routing.node_policies.base import NodePolicy, StepTime
 from pipeline.routing.node_policies.dynamo import Dynamo
 from pipeline.routing.node_policies.kv_aware import KvAware
@@ -39,6 +39,18 @@ def lookup(registry: dict[str, type[Any]], kind: str, name: str) -> type[Any]:
         return registry[name]
     except KeyError:
         raise ValueError(f"unknown {kind} policy {name!r}; valid: {', '.join(sorted(registry))}") from None
+
+
+def build_router(config: RackflowConfig, prefix_aware: bool | None = None) -> RackAffinityRouter:
+    """The rack policy of `policies.router`, the one way every component builds it: the router role, the gateway's
+    prediction (prefix_aware=False: it has no prefix index), the simulator and replay. An unknown policy name is a
+    ValueError listing the valid ones."""
+    cls = lookup(ROUTER_POLICIES, "router", config.policies.router.policy)
+    router: RackAffinityRouter = cls.from_config(
+        {m: config.racks_serving(m) for m in config.models}, config.policies.router)
+    if prefix_aware is not None:
+        router.prefix_aware = prefix_aware
+    return router
 
 
 def _unit_time(node: str) -> StepTime:

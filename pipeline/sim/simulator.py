@@ -31,8 +31,8 @@ from pipeline.health import HealthSample, HealthScorer
 from pipeline.profiling import estimate_mem_kb
 from pipeline.replay import policy_context
 from pipeline.routing.prefix_index import BlockIndex
-from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache, rack_cached_tokens
-from pipeline.routing.registry import NodePolicySet
+from pipeline.routing.rack_affinity import keeps_prefix_cache, rack_cached_tokens
+from pipeline.routing.registry import NodePolicySet, build_router
 from pipeline.routing.views import NodeView, RackView
 from pipeline.sim.node import SimNode, SimSeq, StepCost
 from pipeline.sim.traces import TraceRequest
@@ -147,7 +147,7 @@ class Simulator:
             raise ValueError("no rack serves any model")
         self.default_model = default_model or served[0]
         self._serving = {m: config.racks_serving(m) for m in config.models}
-        self.router = RackAffinityRouter.from_config({m: config.racks_serving(m) for m in served}, pol.router)
+        self.router = build_router(config)
         self.nodes: list[SimNode] = []
         self.node_index: dict[str, int] = {}
         self.node_models: dict[str, frozenset[str]] = {}
@@ -185,8 +185,7 @@ class Simulator:
         self._horizon = pol.batcher.max_queued_prefill_tokens or math.inf
         # the gateway's own prediction of the rack (the router's policy without the prefix index, over request
         # counts), and the completions of the last few seconds it measures its rate on
-        self.gateway_router = RackAffinityRouter.from_config({m: config.racks_serving(m) for m in served}, pol.router)
-        self.gateway_router.prefix_aware = False
+        self.gateway_router = build_router(config, prefix_aware=False)
         self._done_at: deque[float] = deque()
         self._first_done = 0.0
         self._queued_since: dict[str, float] = {}

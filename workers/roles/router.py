@@ -15,9 +15,8 @@ import logging
 
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
-from pipeline.replay import rack_router
 from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache, rack_cached_tokens
-from pipeline.routing.registry import ROUTER_POLICIES, lookup
+from pipeline.routing.registry import build_router
 from pipeline.routing.views import RackView
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
@@ -44,8 +43,7 @@ class Router:
     def __init__(self, config: RackflowConfig, redis_url: str, etcd_url: str, no_rack_wait_s: float = 30.0) -> None:
         self.config = config
         pol = config.policies
-        lookup(ROUTER_POLICIES, "router", pol.router.policy)  # a clear error for an unknown router policy
-        self.policy: RackAffinityRouter = rack_router(config)
+        self.policy: RackAffinityRouter = build_router(config)  # a clear error for an unknown router policy
         self.r = connect(redis_url)
         self.registry = NodeRegistry(etcd_url)
         self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms,
