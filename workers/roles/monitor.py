@@ -22,6 +22,7 @@ from typing import Any
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, HealthEvent
 from pipeline.health import HealthSample, HealthScorer
+from pipeline.sequences import NodeState, NodeTrigger, node_transition
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers.control import app as celery_app
@@ -55,7 +56,7 @@ class Monitor:
         self.leader = False
         self.seen_registered: set[str] = set()
         self.seen_heartbeat: set[str] = set()
-        self.verdicts: dict[str, str] = {}
+        self.verdicts: dict[str, NodeState] = {}
         self.actions = 0
         celery_app.configure(config, redis_url, etcd_url)
 
@@ -71,9 +72,10 @@ class Monitor:
                         self.leader = True
                         metrics.MONITOR_LEADER.set(1)
                         log.info("monitor %s is the leader", self.identity)
-                        self.verdicts = {k: str(v.get("state")) for k, v in (await self.admin.all()).items()}
+                        self.verdicts = {k: NodeState(v["state"]) for k, v in (await self.admin.all()).items()
+                                         if v.get("state") in {s.value for s in NodeState}}
                         for n in self.config.nodes():
-                            metrics.set_node_state(n.name, self.verdicts.get(n.name, "active"))
+                            metrics.set_node_state(n.name, self._state(n.name))
                         self.consumer = self._consumer()
                         consume = asyncio.create_task(self.consumer.run())
                         check = asyncio.create_task(self._check_loop())
@@ -128,11 +130,11 @@ class Monitor:
                 nvlink_crc_errors=ev.nvlink_crc_errors, temp_c=ev.temp_c, avg_latency_ms=ev.avg_latency_ms,
             ))
             metrics.HEALTH_SCORE.labels(ev.node).set(verdict.score)
-            if verdict.changed and verdict.draining:
-                await self._act(ev.node, "draining", f"health {verdict.score:.2f}: {', '.join(verdict.reasons)}",
-                                {"score": verdict.score})
-            elif verdict.changed and self.verdicts.get(ev.node) == "draining":
-                await self._clear(ev.node, f"recovered, health {verdict.score:.2f}")
+            if verdict.changed:
+                trigger = NodeTrigger.UNHEALTHY if verdict.draining else NodeTrigger.RECOVERED
+                why = (f"health {verdict.score:.2f}: {', '.join(verdict.reasons)}" if verdict.draining
+                       else f"recovered, health {verdict.score:.2f}")
+                await self._transition(ev.node, trigger, why, {"score": verdict.score} if verdict.draining else {})
 
     # -- liveness ----------------------------------------------------------------------------------------------
     async def _check_loop(self) -> None:
@@ -150,15 +152,14 @@ class Monitor:
         heartbeats = await self.admin.heartbeats()
         self.seen_heartbeat |= heartbeats
         for node in (n.name for n in self.config.nodes()):
-            verdict = self.verdicts.get(node)
             if node in registered:
-                if verdict == "dead":  # a fresh worker registered for a node we buried: back in service
-                    await self._clear(node, "a new worker registered")
+                # a fresh worker registered for a node we buried: back in service
+                await self._transition(node, NodeTrigger.REGISTERED, "a new worker registered", {})
                 self.seen_registered.add(node)
-                if node in self.seen_heartbeat and node not in heartbeats and verdict is None:
-                    await self._act(node, "draining", "health agent heartbeat expired", {})
-            elif node in self.seen_registered and verdict != "dead":
-                await self._act(node, "dead", "worker lease expired", {})
+                if node in self.seen_heartbeat and node not in heartbeats and self._state(node) is NodeState.ACTIVE:
+                    await self._transition(node, NodeTrigger.HEARTBEAT_LOST, "health agent heartbeat expired", {})
+            elif node in self.seen_registered:
+                await self._transition(node, NodeTrigger.LEASE_LOST, "worker lease expired", {})
         await self.redrive()
 
     async def redrive(self) -> None:
@@ -170,10 +171,10 @@ class Monitor:
 
         now = WALL.now_ms()
         for node, state in list(self.verdicts.items()):
-            if state not in ("draining", "dead") or now - self.last_drain.get(node, 0.0) < self.redrive_ms:
+            if state is NodeState.ACTIVE or now - self.last_drain.get(node, 0.0) < self.redrive_ms:
                 continue
             owned, entries = await remaining_work(self.seqs, self.r, node)
-            if state == "draining" and node in await self.registry.nodes():
+            if state is NodeState.DRAINING and node in await self.registry.nodes():
                 entries = 0  # a live draining worker still reads its own stream; only its sequences must move
             if owned or entries:
                 task = celery_app.send("drain_node", node)
@@ -182,7 +183,21 @@ class Monitor:
             self.last_drain[node] = now
 
     # -- actions -----------------------------------------------------------------------------------------------
-    async def _act(self, node: str, state: str, reason: str, scores: dict[str, float]) -> None:
+    def _state(self, node: str) -> NodeState:
+        return self.verdicts.get(node, NodeState.ACTIVE)
+
+    async def _transition(self, node: str, trigger: NodeTrigger, reason: str, scores: dict[str, float]) -> None:
+        """Apply the node lifecycle (pipeline/sequences.py: NODE_TRANSITIONS): a verdict and its drain, a return
+        to service, or nothing when the trigger changes nothing in the node's state."""
+        nxt = node_transition(self._state(node), trigger)
+        if nxt is None:
+            return
+        if nxt is NodeState.ACTIVE:
+            await self._clear(node, reason)
+        else:
+            await self._act(node, nxt, reason, scores)
+
+    async def _act(self, node: str, state: NodeState, reason: str, scores: dict[str, float]) -> None:
         now = WALL.now_ms()
         await self.admin.set(node, state, reason, now)
         self.verdicts[node] = state
@@ -199,11 +214,11 @@ class Monitor:
         now = WALL.now_ms()
         await self.admin.clear(node)
         self.verdicts.pop(node, None)
-        metrics.FAILOVER_ACTIONS.labels("active").inc()
-        metrics.set_node_state(node, "active")
+        metrics.FAILOVER_ACTIONS.labels(NodeState.ACTIVE).inc()
+        metrics.set_node_state(node, NodeState.ACTIVE)
         with log_context(node=node, rack=self.config.rack_of(node)):
             log.info("node %s back in service (%s)", node, reason)
-        await self._decision(node, "active", reason, {}, now)
+        await self._decision(node, NodeState.ACTIVE, reason, {}, now)
 
     async def _decision(self, node: str, state: str, reason: str, scores: dict[str, float], now: float) -> None:
         await self.producer.add(keys.DECISIONS, DecisionEvent(

@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pipeline.events import ResultEvent
+from pipeline.sequences import NodeState
 from streams.runner import DEAD_LETTER_OBSERVERS
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def export_kv_counters(node: str, hits: dict[str, int], misses: dict[str, int],
 
 
 def set_node_state(node: str, state: str) -> None:
-    for s in ("active", "draining", "dead"):
+    for s in NodeState:
         NODE_STATE.labels(node, s).set(1.0 if s == state else 0.0)
 
 

@@ -17,6 +17,7 @@ from redis.exceptions import NoPermissionError
 from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent
 from pipeline.routing.views import NodeView, RackView
+from pipeline.sequences import NodeState
 from streams import codec, keys
 from streams.errors import DecodeError
 from workers.shell.runtime import WALL
@@ -45,7 +46,7 @@ def node_view_from_status(
     agent = gpu is not None and now_ms - gpu.ts_ms <= stale_ms and gpu.gpu_mem_total_gb > 0
     return NodeView(
         name=name,
-        active=bool(state == "active" and fresh and verdict not in ("draining", "dead")),
+        active=bool(state == NodeState.ACTIVE and fresh and verdict not in (NodeState.DRAINING, NodeState.DEAD)),
         vram_total_gb=gpu.gpu_mem_total_gb if agent and gpu else status.gpu_mem_total_gb,
         free_vram_gb=_free_gb(status, gpu if agent else None),
         pcie_util_pct=gpu.pcie_util_pct if agent and gpu else status.pcie_util_pct,

@@ -29,6 +29,7 @@ import aetcd.leases
 
 from pipeline.backoff import ExponentialBackoff, Retrying
 from pipeline.errors import RackflowError
+from pipeline.sequences import NodeState
 from streams import keys
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,7 @@ class NodeRegistry:
     async def register(self, node: str, info: dict[str, Any]) -> None:
         """Put `/rackflow/nodes/{node}` = info (state `active`) under a lease kept alive until close()."""
         self._node = node
-        self._info = {"state": "active", **info}
+        self._info = {"state": NodeState.ACTIVE.value, **info}
         try:
             self._lease = await self.client.lease(self.ttl_s)
             await self.client.put(keys.etcd_node(node).encode(), json.dumps(self._info).encode(), lease=self._lease)
