@@ -128,6 +128,10 @@ class ResultEvent:
     first_token_ms: float = 0.0
     routed_ms: float = 0.0
     """When the router placed the request on its rack (batched_ms - routed_ms is the window's wait)."""
+    finish_reason: str = ""
+    """Why an `ok` sequence ended, as its engine reported it: `stop` (the engine stopped on its own: an
+    end-of-sequence token) or `length` (max_tokens or the context reached); empty when not known (a failed or
+    cancelled request, or a result written before this field existed)."""
 
 
 @dataclass(frozen=True, slots=True)

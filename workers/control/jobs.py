@@ -45,7 +45,7 @@ from workers.control.app import _state as _app_state
 from workers.control.app import app
 from workers.shell.runtime import WALL
 from workers.stores.etcd import EtcdStoreError, SequenceRegistry
-from workers.stores.ingress import Gateway, RequestRejected
+from workers.stores.ingress import Gateway, RequestRejected, served_models
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def read_jsonl(path: Path) -> list[JobSpec]:
 
 def default_model(config: RackflowConfig) -> str | None:
     """The model a job without one runs on: the cluster's only served model, else none (the job must name one)."""
-    served = [m for m in config.models if config.racks_serving(m)]
+    served = served_models(config)
     return served[0] if len(served) == 1 else None
 
 

@@ -25,6 +25,7 @@ _STATUS_TYPE = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     502: "server_error",
@@ -119,6 +120,23 @@ class Edge:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def check_content_type(self, request: Request) -> None:
+        """Refuse (415) a body sent as anything but JSON: `application/json` or a `+json` type, any parameters
+        (charset) aside. A missing or empty Content-Type is read as JSON: OpenAI's SDKs always send
+        `application/json`, and clients that send none (Python's `requests` with `data=`, httpx with `content=`,
+        http.client) mean JSON too; the body is still validated as JSON either way. A type that says the body is
+        something else is never guessed at: `text/plain`, multipart, and `application/x-www-form-urlencoded`, which
+        is what `curl -d` sends unless told otherwise (the message says how)."""
+        raw = request.headers.get("content-type", "")
+        media = raw.split(";", 1)[0].strip().lower()
+        if not media or media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+            return
+        shown = raw if len(raw) <= 80 else raw[:80] + "..."
+        raise ApiError(
+            415, f"unsupported Content-Type {shown!r}: the body must be JSON; send `Content-Type: application/json` "
+            "(curl: -H 'Content-Type: application/json')", "unsupported_media_type", "Content-Type",
+        )
 
     def check_content_length(self, request: Request) -> None:
         cl = request.headers.get("content-length")

@@ -57,7 +57,7 @@ from workers.gateway.openai_api import (
     validation_message,
 )
 from workers.shell.runtime import WALL, bind_log_context
-from workers.stores.ingress import Gateway, RequestRejected
+from workers.stores.ingress import Gateway, RequestRejected, served_models
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ class _Api(Edge):
     async def admit(self, request: Request, kind: str) -> _Admitted:
         self.check_content_length(request)
         principal = self.principal(request)
+        self.check_content_type(request)
         raw = await self.read_body(request)
         body: CompletionRequest | ChatCompletionRequest
         try:
@@ -259,10 +260,13 @@ class _Api(Edge):
         bind_log_context(request_id=inp.request_id)  # this request's task: every line it logs carries the id
         t0 = time.perf_counter()
         try:
-            req = await self.gateway.admit(inp)
+            req = await self.gateway.admit(inp, principal.allows)
         except RequestRejected as e:
             if isinstance(body, ChatCompletionRequest) and e.param == "max_tokens":
                 e.param = body.output_limit_param
+            elif isinstance(body, ChatCompletionRequest) and e.param == "prompt":
+                e.param = "messages"  # a chat request's prompt is its messages: name them, in the message too
+                e.args = (str(e).replace("prompt", "messages"),)
             raise _from_rejected(e) from None
         except RedisError as e:
             log.warning("request %s: cannot admit, stream store error: %s", inp.request_id, e)
@@ -276,6 +280,11 @@ class _Api(Edge):
         return self.gateway.outputs(request_id)
 
     def finish_reason(self, req: RequestEvent, result: ResultEvent) -> str:
+        """OpenAI's finish_reason: `stop` when the engine ended the sequence on its own (an end-of-sequence token),
+        `length` when it reached max_tokens (or the context), as the worker reported it; a result without the report
+        (from a worker older than the field) falls back to the token count."""
+        if result.finish_reason in ("stop", "length"):
+            return result.finish_reason
         return "length" if result.out_tokens >= req.max_tokens else "stop"
 
     # -- generation --------------------------------------------------------------------------------------------
@@ -397,8 +406,7 @@ class _Api(Edge):
         principal = self.principal(request)
         data = [
             {"id": name, "object": "model", "created": self.started_s, "owned_by": "rackflow"}
-            for name in self.config.models
-            if self.config.racks_serving(name) and principal.allows(name)
+            for name in served_models(self.config, principal.allows)
         ]
         return JSONResponse({"object": "list", "data": data})
 

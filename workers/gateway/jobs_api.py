@@ -80,6 +80,7 @@ class JobsApi:
 
     async def _specs(self, request: Request) -> tuple[list[jobs.JobSpec], bool]:
         self.api.check_content_length(request)
+        self.api.check_content_type(request)
         raw = await self.api.read_body(request)
         try:
             body = json.loads(raw)
@@ -123,7 +124,8 @@ class JobsApi:
             user = principal.sub if self.api.authn.enabled else (spec.user or principal.sub)
             try:
                 gw.profile(ProfileInput(request_id="check", tenant=principal.tenant, user_id=user, model=model,
-                                        arrival_ms=WALL.now_ms(), prompt=spec.prompt, max_tokens=spec.max_tokens))
+                                        arrival_ms=WALL.now_ms(), prompt=spec.prompt, max_tokens=spec.max_tokens),
+                           principal.allows)
             except RequestRejected as e:
                 raise self._error(e.status, f"{where}: {e}", e.code, f"{where}.{e.param}" if e.param else where) \
                     from None

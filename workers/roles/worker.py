@@ -23,7 +23,6 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pipeline.stats import stream_id_key
 from pipeline.config import RackflowConfig
 from pipeline.costmodel import CalibratedCostModel
 from pipeline.events import (
@@ -38,6 +37,7 @@ from pipeline.events import (
     TokenEvent,
 )
 from pipeline.kv.snapshot import KvSnapshot
+from pipeline.stats import stream_id_key
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers.engines import Engine, StepOutput
@@ -512,6 +512,7 @@ class Worker:
                 start_ms=f.start_ms,
                 first_token_ms=live.first_token_ms or f.first_token_ms,
                 routed_ms=live.req.routed_ms,
+                finish_reason=f.reason,
             ))
         if not tokens and not results:
             return

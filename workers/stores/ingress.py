@@ -15,7 +15,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,12 @@ def _no_stream_yet(exc: aioredis.ResponseError, key: str, command: str) -> None:
                   "(deploy/valkey/users.acl.example, user rf-gateway)", command, key, exc, command,
                   key.split("{", 1)[0] + "*")
         raise exc
+
+
+def served_models(config: RackflowConfig, allows: Callable[[str], bool] | None = None) -> list[str]:
+    """The models some rack of the cluster serves, in config order, that `allows` lets through (a token's models):
+    what `GET /v1/models` lists, and what an unknown or unserved model's 404 offers instead."""
+    return [m for m in config.models if config.racks_serving(m) and (allows is None or allows(m))]
 
 
 class RequestRejected(RackflowError, ValueError):
@@ -111,17 +117,16 @@ class Gateway:
         return tok
 
     # -- admission -----------------------------------------------------------------------------------------------
-    def profile(self, inp: ProfileInput) -> RequestEvent:
+    def profile(self, inp: ProfileInput, allows: Callable[[str], bool] | None = None) -> RequestEvent:
+        """The RequestEvent of a request this cluster can serve, else RequestRejected saying what to change.
+        `allows` (the caller's token's models) narrows the models an unknown model's 404 offers to those the caller
+        may use: the same list as its `GET /v1/models`."""
         model = self.config.models.get(inp.model)
-        if model is None:
-            raise RequestRejected(
-                f"model {inp.model!r} does not exist; available: {', '.join(sorted(self.config.models))}",
-                404, "model", code="model_not_found",
-            )
-        if not self.config.racks_serving(inp.model):
-            raise RequestRejected(
-                f"model {inp.model!r} is not served by any rack of this cluster", 404, "model", code="model_not_found"
-            )
+        if model is None or not self.config.racks_serving(inp.model):
+            why = "does not exist" if model is None else "is not served by any rack of this cluster"
+            available = ", ".join(served_models(self.config, allows)) or "none"
+            raise RequestRejected(f"model {inp.model!r} {why}; available: {available}", 404, "model",
+                                  code="model_not_found")
         if inp.max_tokens is not None and inp.max_tokens < 1:
             raise RequestRejected(f"max_tokens must be >= 1, got {inp.max_tokens}", 400, "max_tokens")
         if inp.route_policy and not self._policy_allowed(inp.route_policy):
@@ -137,10 +142,20 @@ class Gateway:
                 inp = _with_ids(inp, tok.encode(inp.prompt, add_special_tokens=False).ids)
         req = profile_request(inp, model, self.config.policies.profiling, self.config.token_rates(inp.model))
         if req.in_tokens + req.max_tokens > model.context:
+            given = inp.max_tokens is not None
+            room = model.context - req.in_tokens
+            if given and req.max_tokens >= model.context:
+                # max_tokens alone leaves no room for a prompt: no shorter prompt helps
+                param, change = "max_tokens", f"max_tokens alone fills it: lower max_tokens below {model.context}"
+            else:
+                # the prompt is what does not fit (the HTTP gateway names `messages` for a chat request)
+                param = "prompt"
+                change = ("shorten the prompt (it alone fills the context)" if room < 1 else
+                          f"shorten the prompt or {'lower' if given else 'set'} max_tokens to at most {room}")
             raise RequestRejected(
-                f"prompt ({req.in_tokens} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
-                f"{inp.model} ({model.context} tokens); shorten the prompt or lower max_tokens",
-                400, "max_tokens" if inp.max_tokens is not None else "prompt", code="context_length_exceeded",
+                f"prompt ({req.in_tokens} tokens) + max_tokens ({req.max_tokens}{'' if given else ', the default'}) "
+                f"exceeds the context of {inp.model} ({model.context} tokens); {change}",
+                400, param, code="context_length_exceeded",
             )
         return req
 
@@ -256,20 +271,21 @@ class Gateway:
         completion rate (the cluster's rate, this share of racks), within [retry_after_s, max_retry_after_s]."""
         return self.admission.retry_after(queued, self.rack_rate(racks))
 
-    async def admit(self, inp: ProfileInput) -> RequestEvent:
-        """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload.
-        With tracing on, the admission is the root span of the request's trace (`gateway.admit`)."""
+    async def admit(self, inp: ProfileInput, allows: Callable[[str], bool] | None = None) -> RequestEvent:
+        """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload
+        (`allows`: as for `profile`). With tracing on, the admission is the root span of the request's trace
+        (`gateway.admit`)."""
         if tracing.TRACER is None:
-            return await self._admit(inp, None)
+            return await self._admit(inp, None, allows)
         with tracing.root_span("gateway.admit") as span:
-            return await self._admit(inp, span)
+            return await self._admit(inp, span, allows)
 
-    async def _admit(self, inp: ProfileInput, span: Any) -> RequestEvent:
+    async def _admit(self, inp: ProfileInput, span: Any, allows: Callable[[str], bool] | None) -> RequestEvent:
         if inp.max_tokens is None and inp.user_avg_out is None:
             avg = await self.user_avg_out(inp.tenant, inp.user_id)
             if avg is not None:
                 inp = _replace(inp, user_avg_out=avg)
-        req = self.profile(inp)
+        req = self.profile(inp, allows)
         if span is not None:
             req = tracing.stamp(span, req)
         bound = self.config.gateway.max_ingress_backlog
