@@ -133,6 +133,16 @@ class ResultEvent:
     end-of-sequence token) or `length` (max_tokens or the context reached); empty when not known (a failed or
     cancelled request, or a result written before this field existed)."""
 
+    @classmethod
+    def of(cls, req: RequestEvent, status: str, node: str, rack: str, finish_ms: float, **fields: Any) -> ResultEvent:
+        """The final result of `req`, its identity (id, version, tenant, user, model, sizes, times) copied from the
+        request: the one constructor of every result a role writes (ok, error, cancelled)."""
+        fields.setdefault("out_tokens", 0)
+        fields.setdefault("routed_ms", req.routed_ms)
+        return cls(request_id=req.request_id, version=req.version, tenant=req.tenant, user_id=req.user_id,
+                   model=req.model, status=status, node=node, rack=rack, in_tokens=req.in_tokens,
+                   arrival_ms=req.arrival_ms, finish_ms=finish_ms, **fields)
+
 
 @dataclass(frozen=True, slots=True)
 class HealthEvent:

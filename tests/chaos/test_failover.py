@@ -317,7 +317,7 @@ def test_sigkill_torch_worker_mid_generation_streams_continue_with_the_uninterru
     the other node from prompt + the tokens already streamed, and every request's token ids equal what one
     uninterrupted greedy run of the same requests gives."""
     from pipeline.events import RequestEvent
-    from workers.roles.worker import build_engine
+    from workers.engines import build_engine
 
     override = {
         "cluster": {"racks": [{"name": "r0", "node_count": 2,

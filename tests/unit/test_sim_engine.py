@@ -8,8 +8,8 @@ import dataclasses
 from typing import Any
 
 from tests.unit.builders import config, request
+from workers.engines import build_engine
 from workers.engines.sim import SimEngine, placeholder_token
-from workers.roles.worker import build_engine
 
 
 def engine(**kw: Any) -> SimEngine:

@@ -21,7 +21,6 @@ from pipeline.config import TorchEngineConfig, load_config
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot, decode, encode
 from tests.unit.builders import request
-from workers.engines import make_engine
 from workers.engines.base import EngineError, SeqFinished, TokenOut
 from workers.engines.tokenizer import BOS, EOS, ByteTokenizer, HfTokenizer, load_tokenizer, stream_text
 from workers.engines.torch_engine import TorchEngine
@@ -470,11 +469,11 @@ def test_step_runs_off_the_event_loop() -> None:
 
 # -- wiring ------------------------------------------------------------------------------------------------------
 def test_worker_and_registry_build_the_torch_engine() -> None:
-    from workers.roles.worker import build_engine
+    from workers.engines import build_engine
 
     e = build_engine(CONFIG, CONFIG.nodes()[0].name, "torch")
     assert isinstance(e, TorchEngine) and e.model_id.startswith("tiny-qwen2-seed0:float32:")
-    e2 = make_engine("torch", config=TorchEngineConfig(), spec=SPEC, now_ms=TickClock().now_ms)
+    e2 = TorchEngine(TorchEngineConfig(), SPEC, now_ms=TickClock().now_ms)
     assert isinstance(e2, TorchEngine) and e2.model_id == e.model_id  # same seed: same weights, same id
     assert engine(seed=3).model_id != e.model_id
 

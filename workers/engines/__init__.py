@@ -2,23 +2,56 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from pipeline.config import RackflowConfig
+from pipeline.costmodel import CalibratedCostModel
 from workers.engines.base import Engine, EngineStats, SeqFinished, StepOutput, TokenOut
+from workers.shell.runtime import WALL
 
 
-def make_engine(name: str, **kwargs: object) -> Engine:
-    if name == "sim":
+def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callable[[], float] | None = None) -> Engine:
+    """The engine of `node` as its config says: the one factory of the worker, the benchmarks and the tests.
+    `now_ms`: the engine's clock (default the wall clock). torch and vLLM are imported only by the workers that
+    run them."""
+    now_ms = now_ms or WALL.now_ms
+    if engine == "sim":
+        # the committed fit (configs/calibration.json), read once per process; nothing is re-fitted here
+        spec = config.node(node)
+        model = config.models[spec.models[0]]
+        bt = config.policies.profiling.prefix_block_tokens
+        host_gb = config.policies.kv.host_prefix_gb_per_gpu * spec.tp
         from workers.engines.sim import SimEngine
 
-        return SimEngine(**kwargs)  # type: ignore[arg-type]
-    if name == "torch":
+        return SimEngine(
+            cost=CalibratedCostModel.for_node(config, node),
+            kv_capacity_kb=config.node_kv_capacity_kb(node),
+            max_running=config.policies.worker.max_running,
+            now_ms=now_ms,
+            zero_time=config.policies.worker.zero_time,
+            max_batched_tokens=config.policies.worker.max_batched_tokens,
+            prefix_block_tokens=bt,
+            host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
+        )
+    if engine == "torch":
+        # imported here: torch and transformers load only in workers that run this engine
         from workers.engines.torch_engine import TorchEngine
 
-        return TorchEngine(**kwargs)  # type: ignore[arg-type]
-    if name == "vllm":
+        tc = config.policies.worker.torch
+        spec = config.models.get(tc.model)
+        if spec is None and not tc.checkpoint:
+            raise ValueError(
+                f"policies.worker.torch.model: unknown model {tc.model!r}; allowed: {', '.join(sorted(config.models))}"
+            )
+        return TorchEngine(tc, spec, now_ms=now_ms)
+    if engine == "vllm":
         from workers.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(**kwargs)  # type: ignore[arg-type]
-    raise ValueError(f"engine {name!r} is not available in this build; available: sim, torch, vllm")
+        vc = config.policies.worker.vllm
+        if not vc.model:
+            raise ValueError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
+        return VllmEngine(vc, now_ms, tensor_parallel_size=vc.tensor_parallel_size or config.node(node).tp)
+    raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
 
 
-__all__ = ["Engine", "EngineStats", "SeqFinished", "StepOutput", "TokenOut", "make_engine"]
+__all__ = ["Engine", "EngineStats", "SeqFinished", "StepOutput", "TokenOut", "build_engine"]

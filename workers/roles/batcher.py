@@ -24,13 +24,12 @@ from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.views import NodeView
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
-from workers.roles.router import error_result
 from workers.shell import metrics, tracing
 from workers.shell.runtime import WALL, consumer_name, log_context
 from workers.stores.cluster_view import ClusterView
 from workers.stores.etcd import NodeRegistry
 from workers.stores.prefix_feed import PrefixFeed
-from workers.stores.results import ResultWriter
+from workers.stores.results import ResultWriter, error_result
 
 log = logging.getLogger(__name__)
 

@@ -25,18 +25,9 @@ from workers.shell.runtime import WALL, consumer_name, log_context
 from workers.stores.cluster_view import ClusterView
 from workers.stores.etcd import NodeRegistry
 from workers.stores.prefix_feed import PrefixFeed
-from workers.stores.results import ResultWriter
+from workers.stores.results import ResultWriter, error_result
 
 log = logging.getLogger(__name__)
-
-
-def error_result(req: RequestEvent, message: str, node: str = "", rack: str = "") -> ResultEvent:
-    now = WALL.now_ms()
-    return ResultEvent(
-        request_id=req.request_id, version=req.version, tenant=req.tenant, user_id=req.user_id, model=req.model,
-        status="error", node=node, rack=rack or (req.rack or ""), in_tokens=req.in_tokens, out_tokens=0,
-        arrival_ms=req.arrival_ms, finish_ms=now, error=message,
-    )
 
 
 class Router:

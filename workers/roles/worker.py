@@ -24,7 +24,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.config import RackflowConfig
-from pipeline.costmodel import CalibratedCostModel
 from pipeline.events import (
     BatchEvent,
     BlockEvent,
@@ -40,9 +39,8 @@ from pipeline.kv.snapshot import KvSnapshot
 from pipeline.stats import stream_id_key
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
-from workers.engines import Engine, StepOutput
+from workers.engines import StepOutput, build_engine
 from workers.engines.base import EngineError
-from workers.engines.sim import SimEngine
 from workers.kv.manager import KvTierManager
 from workers.shell import metrics, tracing
 from workers.shell.runtime import WALL, consumer_name, log_context
@@ -68,44 +66,6 @@ class _Live:
     resumed_at: int = 0
     span: Any = None
     """The `worker.generate` span while tracing is on and the request is traced (admission to final result)."""
-
-
-def build_engine(config: RackflowConfig, node: str, engine: str) -> Engine:
-    if engine == "sim":
-        # the committed fit (configs/calibration.json), read once per process; nothing is re-fitted here
-        spec = config.node(node)
-        model = config.models[spec.models[0]]
-        bt = config.policies.profiling.prefix_block_tokens
-        host_gb = config.policies.kv.host_prefix_gb_per_gpu * spec.tp
-        return SimEngine(
-            cost=CalibratedCostModel.for_node(config, node),
-            kv_capacity_kb=config.node_kv_capacity_kb(node),
-            max_running=config.policies.worker.max_running,
-            now_ms=WALL.now_ms,
-            zero_time=config.policies.worker.zero_time,
-            max_batched_tokens=config.policies.worker.max_batched_tokens,
-            prefix_block_tokens=bt,
-            host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
-        )
-    if engine == "torch":
-        # imported here: torch and transformers load only in workers that run this engine
-        from workers.engines.torch_engine import TorchEngine
-
-        tc = config.policies.worker.torch
-        spec = config.models.get(tc.model)
-        if spec is None and not tc.checkpoint:
-            raise ValueError(
-                f"policies.worker.torch.model: unknown model {tc.model!r}; allowed: {', '.join(sorted(config.models))}"
-            )
-        return TorchEngine(tc, spec, now_ms=WALL.now_ms)
-    if engine == "vllm":
-        from workers.engines.vllm_engine import VllmEngine
-
-        vc = config.policies.worker.vllm
-        if not vc.model:
-            raise ValueError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
-        return VllmEngine(vc, WALL.now_ms, tensor_parallel_size=vc.tensor_parallel_size or config.node(node).tp)
-    raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
 
 
 class Worker:
@@ -338,12 +298,8 @@ class Worker:
     async def _write_refused(self, req: RequestEvent, batch_id: str, batched_ms: float, reason: str) -> None:
         """The final `error` result of a request this node refuses to run (exactly once)."""
         log.warning("request %s refused: %s", req.request_id, reason)
-        result = ResultEvent(
-            request_id=req.request_id, version=req.version, tenant=req.tenant, user_id=req.user_id,
-            model=req.model, status="error", node=self.node, rack=self.rack, in_tokens=req.in_tokens, out_tokens=0,
-            arrival_ms=req.arrival_ms, finish_ms=WALL.now_ms(), batch_id=batch_id, error=f"refused: {reason}",
-            batched_ms=batched_ms, routed_ms=req.routed_ms,
-        )
+        result = ResultEvent.of(req, "error", self.node, self.rack, WALL.now_ms(), batch_id=batch_id,
+                                error=f"refused: {reason}", batched_ms=batched_ms)
         if await self.results.write(result):
             metrics.RESULTS.labels(self.node, "error").inc()
 
@@ -353,12 +309,10 @@ class Worker:
         rid = req.request_id
         now = WALL.now_ms()
         tokens = self._token_events([rid], now) if live is not None else []
-        result = ResultEvent(
-            request_id=rid, version=req.version, tenant=req.tenant, user_id=req.user_id, model=req.model,
-            status="cancelled", node=self.node, rack=self.rack, in_tokens=req.in_tokens, out_tokens=len(texts),
-            arrival_ms=req.arrival_ms, finish_ms=now, batch_id=batch_id, text="".join(texts), error=reason,
-            batched_ms=batched_ms, first_token_ms=live.first_token_ms if live is not None else 0.0,
-            routed_ms=req.routed_ms,
+        result = ResultEvent.of(
+            req, "cancelled", self.node, self.rack, now, out_tokens=len(texts), batch_id=batch_id,
+            text="".join(texts), error=reason, batched_ms=batched_ms,
+            first_token_ms=live.first_token_ms if live is not None else 0.0,
         )
         if live is not None:
             self.live.pop(rid, None)
@@ -493,26 +447,10 @@ class Worker:
             live = self.live.pop(f.request_id)
             if live.span is not None:
                 spans.append((live.span, f.out_tokens))
-            results.append(ResultEvent(
-                request_id=live.req.request_id,
-                version=live.req.version,
-                tenant=live.req.tenant,
-                user_id=live.req.user_id,
-                model=live.req.model,
-                status="ok",
-                node=self.node,
-                rack=self.rack,
-                in_tokens=live.req.in_tokens,
-                out_tokens=f.out_tokens,
-                arrival_ms=live.req.arrival_ms,
-                finish_ms=f.finish_ms,
-                batch_id=live.batch_id,
-                text="".join(live.text),
-                batched_ms=live.batched_ms,
-                start_ms=f.start_ms,
-                first_token_ms=live.first_token_ms or f.first_token_ms,
-                routed_ms=live.req.routed_ms,
-                finish_reason=f.reason,
+            results.append(ResultEvent.of(
+                live.req, "ok", self.node, self.rack, f.finish_ms, out_tokens=f.out_tokens, batch_id=live.batch_id,
+                text="".join(live.text), batched_ms=live.batched_ms, start_ms=f.start_ms,
+                first_token_ms=live.first_token_ms or f.first_token_ms, finish_reason=f.reason,
             ))
         if not tokens and not results:
             return

@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from pipeline.events import ResultEvent, TokenEvent
+from pipeline.events import RequestEvent, ResultEvent, TokenEvent
 from streams import codec, keys
 from streams.runner import minid_for
 from workers.shell import metrics
+from workers.shell.runtime import WALL
 
 log = logging.getLogger(__name__)
 
@@ -231,3 +232,9 @@ class ResultWriter:
             pipe.xadd(out, codec.encode(ev))  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)
         await pipe.execute()
+
+
+def error_result(req: RequestEvent, message: str, node: str = "", rack: str = "") -> ResultEvent:
+    """The final `error` result of a request refused before any node ran it (no route, no rack serves its model):
+    `rack` defaults to the one it was routed to."""
+    return ResultEvent.of(req, "error", node, rack or (req.rack or ""), WALL.now_ms(), error=message, routed_ms=0.0)
