@@ -36,6 +36,7 @@ from pipeline.events import (
     TokenEvent,
 )
 from pipeline.kv.snapshot import KvSnapshot
+from pipeline.sequences import Delivered, Intake, intake, intake_batch
 from pipeline.stats import stream_id_key
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
@@ -133,84 +134,107 @@ class Worker:
 
     # -- intake ------------------------------------------------------------------------------------------------
     async def _on_batches(self, deliveries: list[Delivery]) -> None:
+        """A read of the batch stream, as vLLM's `EngineCore.step()` beside its process loop: one read of every
+        delivered request's result markers, one pure decision per request (pipeline/sequences.py: the version
+        rule), the engine submissions, then one write of every final result the decisions produce (refused,
+        cancelled before it started)."""
         now = WALL.now_ms()
+        ids = [r.request_id for d in deliveries if isinstance(d.event, BatchEvent) for r in d.event.requests]
+        ids += [d.event.request.request_id for d in deliveries if isinstance(d.event, ResumeEvent)]
+        done, cancelled = await self.results.done_and_cancelled(list(dict.fromkeys(ids)))
         claims: list[SeqRecord] = []
+        finals: list[ResultEvent] = []
         for d in deliveries:
             ev = d.event
             if isinstance(ev, ResumeEvent):
                 with log_context(request_id=ev.request.request_id, seq_id=ev.request.request_id):
-                    await self._on_resume(d, ev, claims, now)
+                    await self._on_resume(d, ev, claims, now, done, cancelled)
                 continue
             if not isinstance(ev, BatchEvent):
                 raise TypeError(f"expected a batch on {d.stream}, got {type(ev).__name__}")
-            batch = ev
-            if batch.node != self.node:
-                log.warning("batch %s addressed to %s arrived at %s", batch.batch_id, batch.node, self.node)
-            ids = [r.request_id for r in batch.requests]
-            done, cancelled = await self.results.done_and_cancelled(ids)
-            left: set[str] = set()
-            for req in batch.requests:
-                rid = req.request_id
-                if rid in done:
-                    continue  # redelivered batch: this request already has its final result
-                if rid in cancelled and rid not in self.live:
-                    # cancelled before it started (a revoked job): its final result says so, it never runs
-                    await self._write_cancelled(req, batch.batch_id, batch.created_ms, [], "cancelled before it "
-                                                "started")
-                    continue
-                refused = self._refusal(req) if rid not in self.live else ""
-                if refused:
-                    await self._write_refused(req, batch.batch_id, batch.created_ms, refused)
-                    continue
-                live = self.live.get(rid)
-                if live is not None:
-                    if live.req.version >= req.version:
-                        left.add(rid)  # already running here from an earlier delivery; finishing it settles both
-                        self.entries_of.setdefault(rid, set()).add(d.id)
-                    continue
-                self.live[rid] = live = _Live(req, batch.batch_id, batch.created_ms, d.id)
+            if ev.node != self.node:
+                log.warning("batch %s addressed to %s arrived at %s", ev.batch_id, ev.node, self.node)
+            finals += self._start_batch(d, ev, now, done, cancelled, claims)
+            self._advance_last(d.id)
+        if finals:
+            written = await self.results.write_many(finals, [])
+            for result, ok in zip(finals, written, strict=True):
+                if ok:
+                    metrics.RESULTS.labels(self.node, result.status).inc()
+        self.recorder.claim(claims)
+        self._wake.set()
+
+    def _start_batch(self, d: Delivery, batch: BatchEvent, now: float, done: set[str], cancelled: set[str],
+                     claims: list[SeqRecord]) -> list[ResultEvent]:
+        """Apply the version rule to one delivered batch: start, join or skip each request; the final results
+        of those that never run are returned for the caller's one write."""
+        live = self.live
+        requests = batch.requests
+        refusals = {r.request_id: self._refusal(r) for r in requests if r.request_id not in live}
+        decisions = intake_batch(
+            [Delivered(r.request_id, r.version) for r in requests],
+            {r.request_id: live[r.request_id].req.version for r in requests if r.request_id in live},
+            done, cancelled, refusals,
+        )
+        finals: list[ResultEvent] = []
+        left: set[str] = set()
+        for req, decision in zip(requests, decisions, strict=True):
+            rid = req.request_id
+            if decision is Intake.CANCEL:  # cancelled before it started (a revoked job): it never runs
+                finals.append(self._cancelled_result(req, batch.batch_id, batch.created_ms, [],
+                                                     "cancelled before it started"))
+            elif decision is Intake.REFUSE:
+                log.warning("request %s refused: %s", rid, refusals[rid])
+                finals.append(self._refused_result(req, batch.batch_id, batch.created_ms, refusals[rid]))
+            elif decision is Intake.JOIN:  # running here from an earlier delivery: its end settles both
+                left.add(rid)
+                self.entries_of.setdefault(rid, set()).add(d.id)
+            elif decision is Intake.START:
+                self.live[rid] = started = _Live(req, batch.batch_id, batch.created_ms, d.id)
                 if req.trace and tracing.TRACER is not None:
-                    live.span = self._start_span(req, batch.batch_id, now)
+                    started.span = self._start_span(req, batch.batch_id, now)
                 self.engine.submit(req)
                 left.add(rid)
                 self.entries_of.setdefault(rid, set()).add(d.id)
                 claims.append(SeqRecord(rid, self.node, req.version, self.rack, now, d.id))
-            if left:
-                self.batch_left[d.id] = left
-                d.defer()
-            self._advance_last(d.id)
-        self.recorder.claim(claims)
-        self._wake.set()
+            # SKIP (it has its final result: a redelivered batch) and IGNORE (a newer version is the mover's)
+        if left:
+            self.batch_left[d.id] = left
+            d.defer()
+        return finals
 
     def _advance_last(self, entry_id: str) -> None:
         if stream_id_key(entry_id) > stream_id_key(self.last_batch_entry):
             self.last_batch_entry = entry_id
 
-    async def _on_resume(self, d: Delivery, ev: ResumeEvent, claims: list[SeqRecord], now: float) -> None:
-        """A sequence moved here (failover). The seed's rule against what this node holds: absent -> accept; lower
-        version -> replace; same or higher -> refuse (a duplicate or a conflict, reported)."""
+    async def _on_resume(self, d: Delivery, ev: ResumeEvent, claims: list[SeqRecord], now: float,
+                         done: set[str], cancelled: set[str]) -> None:
+        """A sequence moved here (failover), decided by the version rule (pipeline/sequences.py) against what this
+        node holds: absent -> accept; lower version -> replace; same or higher -> refuse (a duplicate or a
+        conflict, reported). `done`/`cancelled`: the markers read for this whole delivery."""
         req = ev.request
         rid = req.request_id
         self._advance_last(d.id)
-        done, cancelled = await self.results.done_and_cancelled([rid])
-        if done:
+        live = self.live.get(rid)
+        refusal = self._refusal(req) if live is None else ""
+        decision = intake(Delivered(rid, req.version, resume=True), live.req.version if live else None,
+                          rid in done, rid in cancelled, refusal)
+        if decision is Intake.SKIP:
             return  # it finished meanwhile (the old owner got there first): nothing to resume
-        if cancelled and rid not in self.live:
+        if decision is Intake.CANCEL:
             await self._write_cancelled(req, f"resume:{ev.src}", now, list(ev.texts), "cancelled while moving")
             self.recorder.release([rid])  # the mover made this node its owner: the record goes with the request
             return
-        refused = self._refusal(req) if rid not in self.live else ""
-        if refused:
-            await self._write_refused(req, f"resume:{ev.src}", now, refused)
+        if decision is Intake.REFUSE:
+            await self._write_refused(req, f"resume:{ev.src}", now, refusal)
             self.recorder.release([rid])
             return
-        live = self.live.get(rid)
-        if live is not None:
-            if live.req.version >= req.version:
-                metrics.MIGRATIONS.labels(self.node, "refused").inc()
-                log.warning("sequence %s: resume at v%d refused, this node holds v%d", rid, req.version,
-                            live.req.version)
-                return
+        if decision is Intake.STALE and live is not None:
+            metrics.MIGRATIONS.labels(self.node, "refused").inc()
+            log.warning("sequence %s: resume at v%d refused, this node holds v%d", rid, req.version,
+                        live.req.version)
+            return
+        if decision is Intake.REPLACE:
             self.engine.abort(rid)  # an older incarnation: the newer version wins
             old = self.live.pop(rid, None)
             if old is not None and old.span is not None:
@@ -295,25 +319,30 @@ class Worker:
             return f"mem_est_kb {req.mem_est_kb:g} is outside this node's budget [0, {budget_kb:g}] KB"
         return ""
 
+    def _refused_result(self, req: RequestEvent, batch_id: str, batched_ms: float, reason: str) -> ResultEvent:
+        return ResultEvent.of(req, "error", self.node, self.rack, WALL.now_ms(), batch_id=batch_id,
+                              error=f"refused: {reason}", batched_ms=batched_ms)
+
+    def _cancelled_result(self, req: RequestEvent, batch_id: str, batched_ms: float, texts: list[str], reason: str,
+                          live: _Live | None = None) -> ResultEvent:
+        return ResultEvent.of(
+            req, "cancelled", self.node, self.rack, WALL.now_ms(), out_tokens=len(texts), batch_id=batch_id,
+            text="".join(texts), error=reason, batched_ms=batched_ms,
+            first_token_ms=live.first_token_ms if live is not None else 0.0,
+        )
+
     async def _write_refused(self, req: RequestEvent, batch_id: str, batched_ms: float, reason: str) -> None:
         """The final `error` result of a request this node refuses to run (exactly once)."""
         log.warning("request %s refused: %s", req.request_id, reason)
-        result = ResultEvent.of(req, "error", self.node, self.rack, WALL.now_ms(), batch_id=batch_id,
-                                error=f"refused: {reason}", batched_ms=batched_ms)
-        if await self.results.write(result):
+        if await self.results.write(self._refused_result(req, batch_id, batched_ms, reason)):
             metrics.RESULTS.labels(self.node, "error").inc()
 
     async def _write_cancelled(self, req: RequestEvent, batch_id: str, batched_ms: float, texts: list[str],
                                reason: str, live: _Live | None = None) -> None:
         """The final `cancelled` result of `req` (exactly once); a live sequence also leaves this worker."""
         rid = req.request_id
-        now = WALL.now_ms()
-        tokens = self._token_events([rid], now) if live is not None else []
-        result = ResultEvent.of(
-            req, "cancelled", self.node, self.rack, now, out_tokens=len(texts), batch_id=batch_id,
-            text="".join(texts), error=reason, batched_ms=batched_ms,
-            first_token_ms=live.first_token_ms if live is not None else 0.0,
-        )
+        tokens = self._token_events([rid], WALL.now_ms()) if live is not None else []
+        result = self._cancelled_result(req, batch_id, batched_ms, texts, reason, live)
         if live is not None:
             self.live.pop(rid, None)
         written = await self.results.write_many([result], tokens)
