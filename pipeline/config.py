@@ -1,5 +1,7 @@
 """Configuration: typed, bounded, documented models of everything in `configs/*.yaml`.
 
+One concern in one file (over 500 lines on purpose): the whole schema, so one file documents every setting.
+
 Owns the schema of the cluster topology, GPU types, model shapes and policy parameters, and the loader that
 merges the YAML files and reports a bad value with its field path and what is allowed. It must never read
 tunables from the environment (connection URLs and secrets are the shell's business, not the config's).

@@ -1,5 +1,8 @@
 """The discrete-event simulator: a cluster of racks x nodes driven by the live pipeline's own policy objects.
 
+One concern in one file (over 500 lines on purpose): the event loop and its handlers; nodes are `node.py`, reports
+`report.py`, traces `traces.py`.
+
 Events are ordered by (time, type precedence, sequence number); precedence, lowest first at equal times:
   0 FAULT        a node dies, slows down, gets an Xid burst, or recovers (faults act before anything else)
   1 NODE_END     an engine iteration / decode stretch ends (frees memory before new work is placed)

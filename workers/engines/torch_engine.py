@@ -1,5 +1,7 @@
 """`torch` engine: a real Qwen2-architecture transformer with continuous batching over its KV cache.
 
+One concern in one file (over 500 lines on purpose): one engine, its model, its scheduler and its KV cache.
+
 Owns the model (built from a config shape with a fixed seed, or loaded from a local checkpoint; nothing is
 downloaded), the per-sequence KV cache (L0), admission against `kv_capacity_mb`, swap-out of the least recently used
 sequence to a lower tier through callbacks, and KV export/import as `KvSnapshot`s that resume exactly in another

@@ -1,5 +1,8 @@
 """The OpenAI-compatible HTTP gateway: FastAPI app + uvicorn in front of the gateway core (`workers.stores.ingress`).
 
+One concern in one file (over 500 lines on purpose): the endpoints of the OpenAI API and their answers. The steps
+they share with the jobs API (auth, body, model, the typed error) are `edge.py`; the ingress is `stores/ingress.py`.
+
 Owns the HTTP edge of the request path (ARCHITECTURE §1): bearer-token auth and per-model authorization, body
 limits and validation, model selection (body `model`, else `X-Model`, else the token's `model` claim), the per-request
 node policy (`X-Route-Policy`), admission through `Gateway.admit`, and the answers: JSON, or Server-Sent Events

@@ -1,5 +1,9 @@
 """GPU worker process for one node (`rackflow worker --node N --engine sim`).
 
+One concern in one file (over 500 lines on purpose): the worker role's process loop, as vLLM's `EngineCoreProc`
+is one. What it decides is elsewhere (the version rule in `pipeline/sequences.py`, the engines in `engines/`, the
+stores in `stores/`); what stays here is the order of its reads, engine steps and writes.
+
 Consumes `rf:node:{N}:batch` (group "worker"), feeds every request of a batch to the engine, streams tokens to
 `rf:out:{id}` (coalesced per `token_flush_ms`), writes each final result once, and acknowledges a batch entry only
 when every request in it has its final result (the effect). It publishes its live status (HealthEvent) to the node

@@ -1,4 +1,7 @@
-"""etcd store: the node registry (and, later, sequence ownership) behind our own interface.
+"""etcd store: the node registry and sequence ownership behind our own interface.
+
+One concern in one file (over 500 lines on purpose): every etcd call rackflow makes, with its failover over the
+members and its error translation; nothing else is here.
 
 Owns the translation of `aetcd` calls and errors into rackflow's: a node registers `/rackflow/nodes/{id}` under a
 lease it keeps alive, so a worker killed with -9 disappears from the registry when its lease expires; readers list
