@@ -327,3 +327,17 @@ def test_overlay_builds_a_variant_without_a_file_and_refuses_unknown_sections() 
     assert "gateway" in TOP_LEVEL_KEYS
     with pytest.raises(ConfigError, match=r"unknown top-level keys \['polices'\]"):
         overlay(raw, {"polices": {}})
+
+
+def test_an_overlay_file_for_role_processes_is_validated_before_it_is_written(tmp_path: Path) -> None:
+    from pipeline.config import ConfigError, load_config
+    from workers.local.launcher import config_overlay_file
+
+    path = tmp_path / "over.yaml"
+    cfg = config_overlay_file(path, {"policies": {"worker": {"token_flush_ms": 20}}})
+    assert cfg.policies.worker.token_flush_ms == 20
+    assert load_config(overrides=[path]) == cfg, "the processes must load the config the caller was given"
+    bad = tmp_path / "bad.yaml"
+    with pytest.raises(ConfigError, match="token_flush_ms"):
+        config_overlay_file(bad, {"policies": {"worker": {"token_flush_ms": -1}}})
+    assert not bad.exists()

@@ -22,10 +22,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipeline.events import RequestEvent
 from pipeline.stats import percentile
+from workers.local.launcher import config_overlay_file
 from workers.shell.runtime import WALL
 
 
@@ -129,7 +128,6 @@ TTFT_PROMPT = "Measure the first token of this prompt through the control plane.
 def _gateway_ttfts(model_dir: Path, loop: asyncio.AbstractEventLoop, n: int, say: Any) -> list[float]:
     import httpx
 
-    from pipeline.config import DEFAULT_CONFIG_DIR, load_config
     from workers.engines.checkpoint import served_name, vllm_overlay
     from workers.local.launcher import ClusterProcesses, gateway_url, wait_cluster_ready
     from workers.local.services import EmbeddedServices
@@ -140,8 +138,7 @@ def _gateway_ttfts(model_dir: Path, loop: asyncio.AbstractEventLoop, n: int, say
     over["policies"]["worker"]["vllm"]["dtype"] = "float32"  # type: ignore[index]
     over["policies"]["worker"]["token_flush_ms"] = 0  # type: ignore[index]
     path = tmp / "cluster.yaml"
-    path.write_text(yaml.safe_dump(over))
-    config = load_config(DEFAULT_CONFIG_DIR, [path])
+    config = config_overlay_file(path, over)
     svc = EmbeddedServices(tmp / "svc")
     ep = svc.start()
     procs = ClusterProcesses(config, ep.redis_url, ep.etcd_url, tmp / "logs", ["--config", str(path)],

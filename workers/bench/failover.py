@@ -21,16 +21,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
+from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
 from pipeline.sim.traces import assign_users, parse_azure
 from pipeline.stats import percentile
 from streams import codec, keys
 from streams.runner import connect
-from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.launcher import ClusterProcesses, config_overlay_file, wait_cluster_ready
 from workers.shell.runtime import WALL
 from workers.stores.ingress import Gateway
 
@@ -117,9 +115,8 @@ def bench_failover(redis_url: str, etcd_url: str, requests: int = 600, speedup: 
         rows = assign_users(list(parse_azure(fh, requests)), 300, 1.1, random.Random(7))
     with tempfile.TemporaryDirectory(prefix="rackflow-bench-") as tmp:
         path = Path(tmp) / "failover.yaml"
-        path.write_text(yaml.safe_dump({"policies": {"kv": {"l1_dir": str(Path(tmp) / "l1")},
-                                                     "worker": {"token_flush_ms": 20}}}))
-        config = load_config(DEFAULT_CONFIG_DIR, [path])
+        config = config_overlay_file(path, {"policies": {"kv": {"l1_dir": str(Path(tmp) / "l1")},
+                                                         "worker": {"token_flush_ms": 20}}})
         procs = ClusterProcesses(config, redis_url, etcd_url, Path(tmp) / "logs", ["--config", str(path)],
                                  log_level="INFO", with_failover=True)
         procs.start()

@@ -32,12 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from tqdm import tqdm
 
-from pipeline.config import DEFAULT_CONFIG_DIR, load_config
 from pipeline.stats import percentile
-from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.launcher import ClusterProcesses, config_overlay_file, wait_cluster_ready
 from workers.shell.runtime import run_async
 
 MODEL = "qwen2-7b"
@@ -209,8 +207,7 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
             "policies": {"worker": {"zero_time": True, "token_flush_ms": 50}},
         }
         path = Path(tmp) / "bench.yaml"
-        path.write_text(yaml.safe_dump(override))
-        config = load_config(DEFAULT_CONFIG_DIR, [path])
+        config = config_overlay_file(path, override)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         procs = ClusterProcesses(config, redis_url, etcd_url, Path(tmp) / "logs", ["--config", str(path)],

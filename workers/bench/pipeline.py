@@ -27,16 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import yaml
 from tqdm import tqdm
 
-from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
+from pipeline.config import RackflowConfig
 from pipeline.events import RequestEvent, ResultEvent
 from pipeline.profiling import ProfileInput
 from pipeline.stats import percentile
 from streams import keys
 from streams.runner import StreamProducer, connect
-from workers.local.launcher import ClusterProcesses, wait_cluster_ready
+from workers.local.launcher import ClusterProcesses, config_overlay_file, wait_cluster_ready
 from workers.shell.runtime import WALL, run_async
 from workers.stores.ingress import Gateway
 
@@ -110,8 +109,7 @@ def _bench_config(tmp: Path, **policies: Any) -> tuple[RackflowConfig, Path]:
         "policies": policies,
     }
     path = tmp / "bench.yaml"
-    path.write_text(yaml.safe_dump(override))
-    return load_config(DEFAULT_CONFIG_DIR, [path]), path
+    return config_overlay_file(path, override), path
 
 
 async def _flood(config: RackflowConfig, redis_url: str, items: list[ProfileInput], rate: float | None,
@@ -262,8 +260,7 @@ def bench_batching(redis_url: str, etcd_url: str, requests: int = 1500, speedup:
         with tempfile.TemporaryDirectory(prefix="rackflow-bench-") as tmp:
             override = {"policies": {"batcher": batcher, "worker": {"max_running": 32 if name == "fixed32" else 256}}}
             path = Path(tmp) / "b.yaml"
-            path.write_text(yaml.safe_dump(override))
-            config = load_config(DEFAULT_CONFIG_DIR, [path])
+            config = config_overlay_file(path, override)
             procs = ClusterProcesses(config, redis_url, etcd_url, Path(tmp) / "logs", ["--config", str(path)],
                                      log_level="WARNING")
             procs.start()

@@ -15,8 +15,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pipeline.config import RackflowConfig
+from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, overlay, parse_config, raw_config
 from workers.shell.runtime import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -295,3 +296,15 @@ async def wait_cluster_ready(config: RackflowConfig, redis_url: str, etcd_url: s
     finally:
         await registry.close(revoke=False)
         await r.aclose()
+
+
+def config_overlay_file(path: Path, over: dict[str, Any], config_dir: Path = DEFAULT_CONFIG_DIR) -> RackflowConfig:
+    """A variant of the config for a cluster of role processes: `over` (pipeline.config.overlay) is validated
+    over `config_dir` first, so a bad value fails here with its field path before any process starts, then written
+    to `path`, the `--config` file every role process reads. Returns the config those processes will load."""
+    import yaml
+
+    config = parse_config(overlay(raw_config(config_dir), over), source=f"overlay {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(over))
+    return config
