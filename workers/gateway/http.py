@@ -60,6 +60,7 @@ from workers.gateway.openai_api import (
     validation_message,
 )
 from workers.shell.runtime import WALL, bind_log_context
+from workers.stores.etcd import NodeRegistry
 from workers.stores.ingress import Gateway, RequestRejected, served_models
 
 log = logging.getLogger(__name__)
@@ -477,7 +478,10 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
                 socket_connect_timeout=5,
             )
             r = aioredis.Redis(connection_pool=pool)
-        api.attach(Gateway(config, r))
+        # the racks' health as the router sees it (etcd's registry and the monitor's verdicts): a drained rack is
+        # not one the gateway predicts requests to; without etcd, a node with a fresh status counts as active
+        registry = NodeRegistry(etcd_url) if etcd_url else None
+        api.attach(Gateway(config, r, registry))
         await jobs_api.start(r)
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")
         try:
@@ -485,6 +489,8 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         finally:
             await jobs_api.close()
             api.attach(None)
+            if registry is not None:
+                await registry.close(revoke=False)
             await r.aclose()
             await pool.disconnect()
             log.info("gateway stopped; redis connections closed")

@@ -97,7 +97,9 @@ def pending_tokens(fields: Mapping[bytes | str, bytes | str], now_ms: float, sta
 class ClusterView:
     config: RackflowConfig
     r: aioredis.Redis
-    registry: NodeRegistry
+    registry: NodeRegistry | None
+    """etcd's node registry and the monitor's verdicts. None (a gateway run without etcd), or before the registry
+    first answers: a node with a fresh status counts as registered and active (no verdict is known)."""
     stale_ms: float = 3000.0
     statuses: dict[str, HealthEvent] = field(default_factory=dict)
     gpus: dict[str, HealthEvent] = field(default_factory=dict)
@@ -107,14 +109,20 @@ class ClusterView:
     rack_pending_tokens: dict[str, float] = field(default_factory=dict)
     """Prompt tokens of the requests a rack's batchers hold (their `rf:rack:{R}:status`)."""
     decode_weight_tokens: float = 256.0
+    raise_on_denied: bool = False
+    """An ACL denial of a queue read raises NoPermissionError (the gateway: without its queue figures it could not
+    shed load) instead of being logged (a router balancing blind is still a router)."""
     _now_ms: Callable[[], float] = WALL.now_ms
+    _registry_seen: bool = False
 
     async def refresh(self, racks: tuple[str, ...] | None = None, with_backlog: bool = False) -> None:
-        try:
-            self.registered = await self.registry.nodes()
-            self.admin = await self.registry.admin()
-        except EtcdStoreError as e:
-            log.warning("node registry unavailable, keeping the last view: %s", e)
+        if self.registry is not None:
+            try:
+                self.registered = await self.registry.nodes()
+                self.admin = await self.registry.admin()
+                self._registry_seen = True
+            except EtcdStoreError as e:
+                log.warning("node registry unavailable, keeping the last view: %s", e)
         names = [n.name for n in self.config.nodes()]
         pipe = self.r.pipeline(transaction=False)
         for n in names:
@@ -137,6 +145,8 @@ class ClusterView:
                 try:
                     groups = await self.r.xinfo_groups(keys.rack_requests(rack))
                 except aioredis.ResponseError as e:  # no stream yet: nothing queued
+                    if isinstance(e, NoPermissionError) and self.raise_on_denied:
+                        raise
                     if isinstance(e, NoPermissionError):  # an ACL that hides the queues: the balance goes blind
                         log.error("may not read the queue of rack %s (%s): this role's Redis user needs "
                                   "`+xinfo|groups` and `%%R~rf:rack:*` (deploy/valkey/users.acl.example)", rack, e)
@@ -149,6 +159,11 @@ class ClusterView:
                 self.rack_pending_tokens[rack] = pending_tokens(await self.r.hgetall(keys.rack_status(rack)),
                                                                 self._now_ms(), self.stale_ms)
 
+    def _registration(self, node: str) -> Mapping[str, object] | None:
+        if self._registry_seen:
+            return self.registered.get(node)
+        return {"state": NodeState.ACTIVE.value} if node in self.statuses else None
+
     def node_views(self, now_ms: float, rack: str | None = None) -> list[NodeView]:
         out = []
         for r in self.config.cluster.racks:
@@ -157,7 +172,7 @@ class ClusterView:
             for n in r.expanded():
                 out.append(
                     node_view_from_status(
-                        n.name, self.statuses.get(n.name), self.registered.get(n.name), now_ms, self.stale_ms,
+                        n.name, self.statuses.get(n.name), self._registration(n.name), now_ms, self.stale_ms,
                         self.gpus.get(n.name), self.admin.get(n.name),
                     )
                 )

@@ -25,16 +25,18 @@ from redis.exceptions import NoPermissionError
 from pipeline.admission import Admission, ShedReason
 from pipeline.config import RackflowConfig
 from pipeline.errors import RackflowError
-from pipeline.events import HealthEvent, RequestEvent, ResultEvent, TokenEvent
+from pipeline.events import RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput, profile_request
 from pipeline.routing.rack_affinity import RackAffinityRouter
-from pipeline.routing.registry import ROUTER_POLICIES, lookup
+from pipeline.routing.registry import build_router
 from pipeline.routing.views import RackView
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import StreamProducer
 from workers.shell import tracing
 from workers.shell.runtime import WALL
+from workers.stores.cluster_view import ClusterView
+from workers.stores.etcd import NodeRegistry
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +77,20 @@ class RequestRejected(RackflowError, ValueError):
 
 
 class Gateway:
-    def __init__(self, config: RackflowConfig, r: aioredis.Redis) -> None:
+    def __init__(self, config: RackflowConfig, r: aioredis.Redis, registry: NodeRegistry | None = None) -> None:
+        """`registry`: etcd's node registry, for the racks' health as the router sees it (drained or dead nodes
+        do not count); without it a node with a fresh status counts as active."""
         self.config = config
         self.r = r
+        pol = config.policies
+        self.view = ClusterView(config, r, registry, stale_ms=pol.node_selection.stale_ms,
+                                decode_weight_tokens=pol.router.decode_weight_tokens, raise_on_denied=True)
         self.producer = StreamProducer(r, WALL.now_ms, config.policies.streams.retention_s * 1000)
         self._tokenizers: dict[str, Any] = {}
         self._backlog = (0.0, 0)  # (monotonic time read, value)
         self._queues: dict[str, int] = {}
         self._views: dict[str, RackView] = {}
-        rp = config.policies.router
-        lookup(ROUTER_POLICIES, "router", rp.policy)
-        self._rack_policy: RackAffinityRouter = RackAffinityRouter.from_config(
-            {m: config.racks_serving(m) for m in config.models}, rp)
-        self._rack_policy.prefix_aware = False
+        self._rack_policy: RackAffinityRouter = build_router(config, prefix_aware=False)
         """The router's rack policy, without the prefix index (the router's own input): the gateway predicts the
         rack a request will go to by its user's hash and the same bounded-load walk over the racks' load (running
         + waiting of fresh nodes + the rack's backlog). The simulator predicts it the same way."""
@@ -207,33 +210,18 @@ class Gateway:
         return self._queues, self._views
 
     async def _read_queues(self) -> tuple[dict[str, int], dict[str, RackView]]:
-        queues: dict[str, int] = {}
-        running: dict[str, int] = {}
-        for rack in self.config.rack_names():
-            try:
-                groups = await self.r.xinfo_groups(keys.rack_requests(rack))
-            except aioredis.ResponseError as e:
-                _no_stream_yet(e, keys.rack_requests(rack), "xinfo|groups")
-                groups = []
-            q = 0
-            for g in groups:
-                if g.get("name") in (keys.GROUP_BATCHER, keys.GROUP_BATCHER.encode()):
-                    q = int(g.get("lag") or 0) + int(g.get("pending") or 0)
-            queues[rack] = q
+        """The racks as the router sees them (ClusterView: ONE definition of a healthy rack, an active node),
+        and per rack the requests queued: its batchers' backlog plus what waits in its active nodes' engines."""
+        try:
+            await self.view.refresh(with_backlog=True)
+        except NoPermissionError as e:
+            _no_stream_yet(e, keys.rack_requests("*"), "xinfo|groups")
+            raise
         now_ms = WALL.now_ms()
-        stale_ms = self.config.policies.node_selection.stale_ms
-        for node in self.config.nodes():
-            fields = await self.r.hgetall(keys.node_status(node.name))
-            if not fields:
-                continue
-            try:
-                ev = codec.decode(fields)
-            except DecodeError:
-                continue
-            if isinstance(ev, HealthEvent) and now_ms - ev.ts_ms <= stale_ms:
-                rack = self.config.rack_of(node.name)
-                queues[rack] = queues.get(rack, 0) + int(ev.waiting)
-                running[rack] = running.get(rack, 0) + int(ev.running)
+        views = self.view.rack_views(now_ms)
+        queues = {rk: self.view.rack_backlog.get(rk, 0) + sum(n.waiting for n in self.view.node_views(now_ms, rk)
+                                                              if n.active)
+                  for rk in self.config.rack_names()}
         try:
             info = await self.r.xinfo_stream(keys.RESULTS)
             added = info.get("entries-added")
@@ -245,7 +233,6 @@ class Gateway:
             self._done.append((t, int(added)))
             while len(self._done) > 2 and t - self._done[0][0] > 3.0:
                 self._done.popleft()
-        views = {rk: RackView(rk, rk in running, float(q + running.get(rk, 0))) for rk, q in queues.items()}
         t = time.monotonic()
         for rk, q in queues.items():
             if q <= 0:
