@@ -19,10 +19,8 @@ The number of generated cases is printed (`pytest -s`) and written to `.rackflow
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -36,10 +34,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
-from pipeline.events import RequestEvent, ResultEvent
-from streams import codec, keys
 from tests.hardening.test_fuzz_consumers import write_counts
-from workers.shell.runtime import WALL
+from tests.integration.harness import Responder
 
 pytestmark = [pytest.mark.integration, pytest.mark.hardening]
 
@@ -110,48 +106,6 @@ def openapi_schema(app: Any) -> dict[str, Any]:
                 op["requestBody"] = {"required": True,
                                      "content": {"application/json": {"schema": bodies[(path, method)]}}}
     return raw  # type: ignore[no-any-return]
-
-
-class Responder:
-    """Answers every request admitted to rf:ingress with an `ok` final result (the pipeline's stand-in)."""
-
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
-        self.answered = 0
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True, name="responder")
-
-    async def _main(self) -> None:
-        from streams.runner import connect
-        from workers.stores.results import ResultWriter
-
-        r = connect(self.redis_url)
-        writer = ResultWriter(r, WALL.now_ms, 3_600_000)
-        last = "0-0"
-        try:
-            while not self._stop.is_set():
-                resp = await r.xread({keys.INGRESS: last}, count=256, block=100)
-                for _stream, entries in resp or []:
-                    for rid, fields in entries:
-                        last = rid.decode()
-                        req = codec.decode(fields)
-                        assert isinstance(req, RequestEvent)
-                        now = WALL.now_ms()
-                        await writer.write(ResultEvent(
-                            req.request_id, req.version, req.tenant, req.user_id, req.model, "ok", "r0-n0", "r0",
-                            req.in_tokens, 1, req.arrival_ms, now, text="ok", first_token_ms=now,
-                        ))
-                        self.answered += 1
-        finally:
-            await r.aclose()
-
-    def __enter__(self) -> Responder:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.thread.join(10)
 
 
 @pytest.fixture(params=["auth", "no-auth"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
@@ -100,3 +102,54 @@ async def read_stream(redis_url: str, stream: str) -> list[tuple[bytes, dict[byt
         return await r.xrange(stream)
     finally:
         await r.aclose()
+
+
+def ok_result(req: RequestEvent) -> ResultEvent:
+    """A one-token `ok` final result of `req`, as node r0-n0 would write it."""
+    now = WALL.now_ms()
+    return ResultEvent.of(req, "ok", "r0-n0", "r0", now, out_tokens=1, text="ok", first_token_ms=now)
+
+
+class Responder:
+    """Stands in for the pipeline: answers every request admitted to rf:ingress with the final result that
+    `answer(request)` gives (None: leave it unanswered; default: an `ok` result of one token). `answered` counts
+    the results written."""
+
+    def __init__(self, redis_url: str, answer: Callable[[RequestEvent], ResultEvent | None] | None = None) -> None:
+        self.redis_url = redis_url
+        self.answer = answer or ok_result
+        self.answered = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True, name="responder")
+
+    async def _main(self) -> None:
+        from streams.runner import connect
+        from workers.stores.results import ResultWriter
+
+        r = connect(self.redis_url)
+        writer = ResultWriter(r, WALL.now_ms, 3_600_000)
+        last = "0-0"
+        try:
+            while not self._stop.is_set():
+                for _stream, entries in await r.xread({keys.INGRESS: last}, count=64, block=100) or []:
+                    for eid, fields in entries:
+                        last = eid.decode()
+                        req = codec.decode(fields)
+                        assert isinstance(req, RequestEvent)
+                        try:
+                            res = self.answer(req)
+                        except Exception as e:  # fail the request at once, not after the gateway's timeout
+                            res = ResultEvent.of(req, "error", "r0-n0", "r0", WALL.now_ms(),
+                                                 error=f"the test's responder failed: {type(e).__name__}: {e}")
+                        if res is not None and await writer.write(res):
+                            self.answered += 1
+        finally:
+            await r.aclose()
+
+    def __enter__(self) -> Responder:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.thread.join(10)

@@ -33,6 +33,7 @@ from fastapi.testclient import TestClient
 from pipeline.config import DEFAULT_CONFIG_DIR, RackflowConfig, load_config
 from pipeline.events import BatchEvent, RequestEvent, ResultEvent
 from streams import codec, keys
+from tests.integration.harness import Responder
 from workers.local.services import ServiceEndpoints
 from workers.shell.runtime import WALL
 
@@ -58,55 +59,10 @@ def frictions_config(tmp_path: Path) -> RackflowConfig:
     return load_config(DEFAULT_CONFIG_DIR, [p])
 
 
-class Responder:
-    """Stands in for the pipeline: answers every request admitted to rf:ingress with the final result that
-    `answer(request)` gives (None: leave it unanswered)."""
-
-    def __init__(self, redis_url: str, answer: Callable[[RequestEvent], ResultEvent | None]) -> None:
-        self.redis_url = redis_url
-        self.answer = answer
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True, name="responder")
-
-    async def _main(self) -> None:
-        from streams.runner import connect
-        from workers.stores.results import ResultWriter
-
-        r = connect(self.redis_url)
-        writer = ResultWriter(r, WALL.now_ms, 3_600_000)
-        last = "0-0"
-        try:
-            while not self._stop.is_set():
-                for _stream, entries in await r.xread({keys.INGRESS: last}, count=64, block=100) or []:
-                    for eid, fields in entries:
-                        last = eid.decode()
-                        req = codec.decode(fields)
-                        assert isinstance(req, RequestEvent)
-                        try:
-                            res = self.answer(req)
-                        except Exception as e:  # fail the request at once, not after the gateway's timeout
-                            res = ResultEvent(req.request_id, req.version, req.tenant, req.user_id, req.model,
-                                              "error", NODE, "r0", req.in_tokens, 0, req.arrival_ms, WALL.now_ms(),
-                                              error=f"the test's responder failed: {type(e).__name__}: {e}")
-                        if res is not None:
-                            await writer.write(res)
-        finally:
-            await r.aclose()
-
-    def __enter__(self) -> Responder:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.thread.join(10)
-
-
 def result_for(req: RequestEvent, out_tokens: int, finish_reason: str) -> ResultEvent:
     now = WALL.now_ms()
-    return ResultEvent(req.request_id, req.version, req.tenant, req.user_id, req.model, "ok", NODE, "r0",
-                       req.in_tokens, out_tokens, req.arrival_ms, now, text="x" * out_tokens, first_token_ms=now,
-                       finish_reason=finish_reason)
+    return ResultEvent.of(req, "ok", NODE, "r0", now, out_tokens=out_tokens, text="x" * out_tokens,
+                          first_token_ms=now, finish_reason=finish_reason)
 
 
 # What the stand-in engine does, by prompt: (tokens generated given max_tokens, the finish reason it reports).
