@@ -1,4 +1,5 @@
-"""workers.cli.bench: (moved out of workers.cli.main)."""
+"""`rackflow bench streams|profile|route|pipeline|batching|kv|failover|gateway|engines`: the benchmarks
+(`workers/bench/`), medians and ratios measured side by side; `engines` re-runs itself in .venv-vllm."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""workers.cli.local: (moved out of workers.cli.main)."""
+"""`rackflow services up|down|status`, `rackflow up` and `rackflow demo`: the embedded servers, the whole local
+cluster (`workers/local/cluster.py`) and the demo on the Azure trace."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""workers.cli.roles: (moved out of workers.cli.main)."""
+"""One role process per command: `rackflow router|batcher|worker|agent|monitor|celery-worker|gateway`. Each sets up
+its process shell (`workers/shell/observe.py`) and runs the role (`workers/roles/`, `workers/gateway/`,
+`workers/control/`) until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""workers.cli.tools: (moved out of workers.cli.main)."""
+"""The operator's tools: `rackflow fault` (faults of simulated nodes), `token` (a development JWT), `tokens`
+(calibrate the fast token estimator), `model` (the tiny checkpoint, a checkpoint's models entry), `config check`
+and `perf` (the calibrated cost model)."""
 
 from __future__ import annotations
 

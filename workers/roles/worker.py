@@ -27,6 +27,7 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline.backoff import ExponentialBackoff, Retrying
 from pipeline.config import RackflowConfig
 from pipeline.events import (
     BatchEvent,
@@ -56,6 +57,8 @@ from workers.stores.results import ResultWriter
 log = logging.getLogger(__name__)
 OUTAGE_S = 120.0
 """How long the engine loop keeps retrying its Redis writes through an outage before it gives up."""
+OUTAGE_BACKOFF = ExponentialBackoff(base=0.1, cap=2.0)
+"""Between two tries of a write through a Valkey outage: 0.1 s doubling to 2 s."""
 
 
 @dataclass(slots=True)
@@ -521,7 +524,7 @@ class Worker:
         """A Redis write of the engine loop outlives a Valkey outage (a restart, a failover): retried with backoff
         for up to OUTAGE_S instead of killing the loop. Safe to repeat: final results are exactly-once by their
         marker, a repeated token chunk is skipped by index at the gateway, an ack twice is an ack."""
-        delay = 0.1
+        retry = Retrying(OUTAGE_BACKOFF)
         deadline = time.monotonic() + OUTAGE_S
         while True:
             try:
@@ -529,9 +532,9 @@ class Worker:
             except (RedisConnectionError, RedisTimeoutError, BusyLoadingError) as e:
                 if time.monotonic() > deadline:
                     raise
+                delay = retry.next_delay()
                 log.warning("node %s: %s failed (%s); retrying in %.1f s", self.node, what, e, delay)
                 await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
 
     async def _settle(self, request_ids: list[str]) -> None:
         acks = []

@@ -1,4 +1,6 @@
-"""workers.shell.observe: (moved out of workers.cli.main)."""
+"""What every role process sets up first: logging (text or JSON, its node and rack on every line), tracing when
+configured, and Prometheus /metrics (its own streams' lengths and consumer groups; for a Celery worker, the
+multiprocess registry its pool's forked children write to)."""
 
 from __future__ import annotations
 
