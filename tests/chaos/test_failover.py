@@ -132,10 +132,14 @@ def _check_all(c: Cluster, ids: list[str], timeout_s: float = 180) -> dict[str, 
 
 
 async def _inject(c: Cluster, node: str, kind: str) -> None:
-    """What `rackflow fault inject` does (its CLI is tested in test_agent), without a process start's delay."""
+    """What `rackflow fault inject` does (its CLI is tested in test_agent), without a process start's delay. Through
+    the roles' own client (`connect`: timeouts retried with backoff, as `rackflow fault` does): two vLLM workers
+    decoding on 2 cores can keep Valkey from answering one read in time (a clean-clone CI run timed out here),
+    and injecting a fault twice is injecting it once."""
+    from streams.runner import connect
     from workers.health import faults
 
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     try:
         await faults.inject(r, node, kind, now_ms=WALL.now_ms())
     finally:
