@@ -247,6 +247,9 @@ async def _http_load(base: str, n: int, max_tokens: int = 8) -> list[tuple[int, 
         return await asyncio.gather(*(one(client, i) for i in range(n)))
 
 
+LONG_TOKENS = 400
+
+
 @pytest.mark.timeout(240)
 def test_every_role_runs_as_its_own_acl_user(tmp_path: Path, config_file: Callable[..., Path]) -> None:
     """`rackflow services up --secure` + the cluster's roles, each logged in as its own user (what `rackflow up`
@@ -293,10 +296,22 @@ def test_every_role_runs_as_its_own_acl_user(tmp_path: Path, config_file: Callab
             from workers.health import faults
             from workers.shell.runtime import WALL
 
-            load = asyncio.create_task(_http_load(base, 8, max_tokens=160))
-            await asyncio.sleep(1.5)
+            from pipeline.events import HealthEvent
+            from streams import codec, keys
+
+            load = asyncio.create_task(_http_load(base, 8, max_tokens=LONG_TOKENS))
             ops = aioredis.Redis.from_url(svc.role_urls["ops"])
             try:
+                # the precondition is a state, not a delay: r0-n1's worker reports live sequences (each one runs
+                # for >= 1.8 s of engine steps, long enough for the monitor and Celery to move it)
+                deadline = time.monotonic() + 60
+                while True:
+                    raw = admin.hgetall(keys.node_status("r0-n1"))
+                    ev = codec.decode(raw) if raw else None
+                    if isinstance(ev, HealthEvent) and ev.running > 0:
+                        break
+                    assert not load.done() and time.monotonic() < deadline, "no sequence ever ran on r0-n1"
+                    await asyncio.sleep(0.05)
                 await faults.inject(ops, "r0-n1", "xid", now_ms=WALL.now_ms())
             finally:
                 await ops.aclose()
@@ -304,7 +319,7 @@ def test_every_role_runs_as_its_own_acl_user(tmp_path: Path, config_file: Callab
 
         answers = asyncio.run(fault_under_load())
         assert [s for s, _ in answers] == [200] * 8, answers
-        assert all(len(text.split()) == 160 for _, text in answers), [len(t.split()) for _, t in answers]
+        assert all(len(text.split()) == LONG_TOKENS for _, text in answers), [len(t.split()) for _, t in answers]
         logs = "".join(p.log_path.read_text() for p in procs.procs if p.role in ("monitor", "worker"))
         assert "marked draining" in logs, "the monitor did not drain r0-n1"
         assert " resumed at v" in logs, "no live sequence was moved off r0-n1"
