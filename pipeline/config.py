@@ -559,8 +559,18 @@ class GatewayConfig(_Strict):
     """How long the gateway waits for a request's final result before answering with a timeout error."""
     max_n: int = Field(default=1, ge=1, le=1)
     """Completions per request (`n`); only 1 is supported."""
-    redis_max_connections: int = Field(default=1024, ge=8, le=100_000)
-    """Connections to Redis/Valkey (each open stream holds one while it waits for tokens)."""
+    redis_max_connections: int = Field(default=32, ge=4, le=100_000)
+    """Connections to Redis/Valkey of one gateway process. An open request holds none while it waits: one reader
+    serves every open request through the gateway's reply stream (`reply_queue_events`); admission and result
+    reads take a pooled connection for one round trip."""
+    reply_queue_events: int = Field(default=256, ge=4, le=100_000)
+    """Events (token chunks, the result) buffered in the gateway per open request. A slow client that lets its
+    buffer fill is not given more memory: it catches up from its request's own stream when it reads again."""
+    reply_sweep_ms: int = Field(default=1000, ge=50, le=60_000)
+    """How often the gateway checks, in one read, whether a quiet open request's result was written but never
+    reached its reply stream (then it reads it from the request's own stream)."""
+    reply_ttl_s: int = Field(default=120, ge=10, le=86_400)
+    """A gateway's reply stream expires this long after the gateway stopped refreshing it (a crashed gateway)."""
     shutdown_grace_s: int = Field(default=10, ge=0, le=3600)
     """On SIGTERM, open streams get this long to finish."""
     keep_alive_s: int = Field(default=75, ge=1, le=3600)

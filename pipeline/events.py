@@ -66,6 +66,9 @@ class RequestEvent:
     """Chained hashes of the prompt's prefix blocks (63-bit), for prefix-aware placement."""
     trace: str = ""
     """W3C `traceparent` of the request's trace when tracing is on (empty: not traced)."""
+    reply_to: str = ""
+    """The admitting gateway's reply stream (`rf:gw:{ID}:out`): its tokens and result are delivered there too, so
+    that one reader per gateway serves every open request. Empty: the per-request stream `rf:out:{id}` only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,8 @@ class TokenEvent:
     """The decoded text of each token (same length as token_ids)."""
     ts_ms: float
     node: str
+    reply_to: str = ""
+    """The request's `reply_to` (its gateway's reply stream), copied so that the writer needs no lookup."""
 
     @property
     def text(self) -> str:
@@ -132,6 +137,8 @@ class ResultEvent:
     """Why an `ok` sequence ended, as its engine reported it: `stop` (the engine stopped on its own: an
     end-of-sequence token) or `length` (max_tokens or the context reached); empty when not known (a failed or
     cancelled request, or a result written before this field existed)."""
+    reply_to: str = ""
+    """The request's `reply_to` (its gateway's reply stream), copied from the request."""
 
     @classmethod
     def of(cls, req: RequestEvent, status: str, node: str, rack: str, finish_ms: float, **fields: Any) -> ResultEvent:
@@ -139,6 +146,7 @@ class ResultEvent:
         request: the one constructor of every result a role writes (ok, error, cancelled)."""
         fields.setdefault("out_tokens", 0)
         fields.setdefault("routed_ms", req.routed_ms)
+        fields.setdefault("reply_to", req.reply_to)
         return cls(request_id=req.request_id, version=req.version, tenant=req.tenant, user_id=req.user_id,
                    model=req.model, status=status, node=node, rack=rack, in_tokens=req.in_tokens,
                    arrival_ms=req.arrival_ms, finish_ms=finish_ms, **fields)

@@ -7,6 +7,8 @@ like the results stream itself, so the Lua script that writes a result exactly o
 
 from __future__ import annotations
 
+import re
+
 INGRESS = "rf:ingress"
 DECISIONS = "rf:decisions"
 RESULTS = "rf:results"
@@ -62,6 +64,27 @@ def node_control(node: str) -> str:
 
 def request_out(request_id: str) -> str:
     return f"rf:out:{{{request_id}}}"
+
+
+GATEWAY_REPLIES_MAXLEN = 100_000
+"""Approximate bound of a gateway's reply stream: its reader keeps up in milliseconds, so only a stopped gateway's
+stream reaches it (and then expires: the gateway refreshes its TTL while it runs)."""
+_GATEWAY_REPLIES = re.compile(r"rf:gw:\{[A-Za-z0-9_.-]{1,64}\}:out")
+
+
+def gateway_replies(gateway_id: str) -> str:
+    """One gateway process's reply stream: every token chunk and final result of the requests it admitted (beside
+    each request's own `request_out` stream, which stays the durable copy, readable by id)."""
+    key = f"rf:gw:{{{gateway_id}}}:out"
+    if not _GATEWAY_REPLIES.fullmatch(key):
+        raise ValueError(f"gateway id {gateway_id!r}: use 1-64 letters, digits, '_', '.' or '-'")
+    return key
+
+
+def is_gateway_replies(key: str) -> bool:
+    """Whether `key` (a request's `reply_to`, from the stream: untrusted) names a gateway reply stream, and nothing
+    else a writer could be made to append to."""
+    return bool(_GATEWAY_REPLIES.fullmatch(key))
 
 
 def result_done(request_id: str) -> str:

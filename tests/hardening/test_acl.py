@@ -293,11 +293,10 @@ def test_every_role_runs_as_its_own_acl_user(tmp_path: Path, config_file: Callab
         # inject` does, in-process so that it lands mid-stream): the monitor drains the node and Celery moves its
         # live sequences, KV included (rf:seq:*, rf:kv:*), to r0-n0
         async def fault_under_load() -> list[tuple[int, str]]:
-            from workers.health import faults
-            from workers.shell.runtime import WALL
-
             from pipeline.events import HealthEvent
             from streams import codec, keys
+            from workers.health import faults
+            from workers.shell.runtime import WALL
 
             load = asyncio.create_task(_http_load(base, 8, max_tokens=LONG_TOKENS))
             ops = aioredis.Redis.from_url(svc.role_urls["ops"])

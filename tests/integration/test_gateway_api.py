@@ -33,10 +33,11 @@ import jwt
 import openai
 import pytest
 import redis
+import redis.asyncio as aioredis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.events import RequestEvent, ResultEvent
+from pipeline.events import RequestEvent
 from streams import codec, keys
 from tests.conftest import REPO, _clean
 from tests.integration import harness
@@ -519,16 +520,25 @@ def test_no_result_in_time_is_504_or_an_sse_error_event(env: Env) -> None:
 
 
 def _fail_next_request(e: Env, r: redis.Redis) -> None:
-    """Stand in for the router: read the next admitted request and write an error result to its stream."""
+    """Stand in for the router: read the next admitted request and write an error result for it, the way the
+    router does (ResultWriter: exactly once, to its stream and its gateway's reply stream)."""
+    from workers.stores.results import ResultWriter, error_result
+
     resp = r.xread({keys.INGRESS: "0-0"}, count=1, block=5000)
     assert resp, "nothing was admitted"
     req = codec.decode(resp[0][1][0][1])
     assert isinstance(req, RequestEvent)
-    res = ResultEvent(request_id=req.request_id, version=1, tenant=req.tenant, user_id=req.user_id, model=req.model,
-                      status="error", node="", rack="", in_tokens=req.in_tokens, out_tokens=0,
-                      arrival_ms=req.arrival_ms, finish_ms=time.time() * 1000,
-                      error=f"no healthy rack serves model {req.model!r}; retry later")
-    r.xadd(keys.request_out(req.request_id), codec.encode(res))  # type: ignore[arg-type]
+    assert req.reply_to and keys.is_gateway_replies(req.reply_to), req.reply_to
+
+    async def write() -> None:
+        ar = aioredis.Redis.from_url(e.redis_url_b)
+        try:
+            await ResultWriter(ar, lambda: time.time() * 1000, 60_000).write(
+                error_result(req, f"no healthy rack serves model {req.model!r}; retry later"))
+        finally:
+            await ar.aclose()
+
+    asyncio.run(write())
 
 
 @pytest.mark.parametrize("stream", [False, True])

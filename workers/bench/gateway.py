@@ -55,6 +55,8 @@ class Outcome:
     retry_after: str | None = None
     error: str | None = None
     """Why an answer counts as an error (transport error, SSE error event, wrong token count)."""
+    ttft_s: float | None = None
+    """Streamed answers: seconds from sending to the first SSE chunk that carries text (None if none came)."""
 
     @property
     def ok(self) -> bool:
@@ -99,6 +101,8 @@ async def one_request(client: httpx.AsyncClient, url: str, i: int, max_tokens: i
                     out.error = f"SSE error event: {chunk['error'].get('code')}"
                 elif out.request_id is None:
                     out.request_id = str(chunk["id"]).removeprefix("cmpl-")
+                if out.ttft_s is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                    out.ttft_s = time.monotonic() - t0
             if last != "[DONE]" and out.error is None:
                 out.error = "stream ended without [DONE]"
             out.latency_s = time.monotonic() - t0
@@ -181,6 +185,65 @@ def summarize(outcomes: list[Outcome], window_s: float) -> dict[str, Any]:
     }
 
 
+HOPS = (
+    ("http_in", "client sends -> gateway admits (HTTP, auth, profile)"),
+    ("ingress_to_router", "rf:ingress -> router routed it to a rack"),
+    ("window", "rack stream -> batcher placed it in a batch (the window)"),
+    ("batch_to_start", "node stream -> the worker's engine started it"),
+    ("engine_first_token", "engine start -> first token (zero-time engine: ~0)"),
+    ("engine_rest", "first token -> last token (zero-time engine: ~0)"),
+    ("reply", "result written -> client has the whole answer (reply stream, gateway, HTTP)"),
+)
+"""The hops of the live path, in order, each from the timestamps the events carry (wall-clock ms, one machine)."""
+
+
+async def hop_times(redis_url: str, outcomes: list[Outcome], wall_offset_s: float) -> dict[str, list[float]]:
+    """Per hop (HOPS), the milliseconds each completed request spent in it: the final results' timestamps
+    (arrival, routed, batched, start, first token, finish) from `rf:results`, and the client's send and end
+    (`wall_offset_s`: time.time() - time.monotonic() of this process)."""
+    from pipeline.events import ResultEvent
+    from streams import codec, keys
+    from streams.runner import connect
+
+    sent = {o.request_id: o for o in outcomes if o.ok and o.request_id}
+    if not sent:
+        return {h: [] for h, _ in HOPS}
+    since_ms = int((min(o.start for o in sent.values()) + wall_offset_s) * 1000) - 1000
+    r = connect(redis_url)
+    found: dict[str, ResultEvent] = {}
+    try:
+        start = f"{since_ms}-0"
+        while True:
+            entries = await r.xrange(keys.RESULTS, min=start, count=5000)
+            for _eid, fields in entries:
+                ev = codec.decode(fields)
+                if isinstance(ev, ResultEvent) and ev.request_id in sent:
+                    found[ev.request_id] = ev
+            if len(entries) < 5000:
+                break
+            last = entries[-1][0]
+            start = "(" + (last.decode() if isinstance(last, bytes) else last)
+    finally:
+        await r.aclose()
+    hops: dict[str, list[float]] = {h: [] for h, _ in HOPS}
+    for rid, ev in found.items():
+        o = sent[rid]
+        send_ms = (o.start + wall_offset_s) * 1000
+        end_ms = (o.start + o.latency_s + wall_offset_s) * 1000
+        marks = (send_ms, ev.arrival_ms, ev.routed_ms, ev.batched_ms, ev.start_ms, ev.first_token_ms, ev.finish_ms,
+                 end_ms)
+        if any(m <= 0 for m in marks):
+            continue
+        for (name, _), a, b in zip(HOPS, marks, marks[1:], strict=False):
+            hops[name].append(b - a)
+    return hops
+
+
+def hop_summary(hops: dict[str, list[float]]) -> dict[str, dict[str, float | None]]:
+    return {h: {"p50_ms": round(percentile(v, 50), 2) if v else None,
+                "p99_ms": round(percentile(v, 99), 2) if v else None} for h, v in hops.items()}
+
+
 async def wait_http_ready(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=5) as c:
@@ -200,6 +263,9 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
     from workers.local.supervise import free_port
 
     runs: list[dict[str, Any]] = []
+    hop_ms: dict[str, list[float]] = {h: [] for h, _ in HOPS}
+    ttft_ms: list[float] = []
+    wall_offset = time.time() - time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rackflow-bench-") as tmp:
         override = {
             "cluster": {"racks": [{"name": "r0", "node_count": 2,
@@ -241,6 +307,9 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
                 window = max(duration_s, max((o.start + o.latency_s for o in outcomes), default=t0) - t0)
                 if k > 0:
                     runs.append(summarize(outcomes, window))
+                    for name, v in run_async(hop_times(redis_url, outcomes, wall_offset)).items():
+                        hop_ms[name] += v
+                    ttft_ms += [o.ttft_s * 1000 for o in outcomes if o.ok and o.stream and o.ttft_s is not None]
             bar.close()
             dead = [p.name for p in procs.dead()]
         finally:
@@ -256,6 +325,10 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
         "rps": med("rps"),
         "p50_ms": med("p50_ms"),
         "p99_ms": med("p99_ms"),
+        # the engine takes no time: a streamed request's time to its first token is all control plane
+        "added_ttft_p50_ms": round(percentile(ttft_ms, 50), 2) if ttft_ms else None,
+        "added_ttft_p99_ms": round(percentile(ttft_ms, 99), 2) if ttft_ms else None,
+        "hops": hop_summary(hop_ms),
         "errors": sum(r["errors"] for r in runs),
         "shed": sum(r["shed"] for r in runs),
         "requests": sum(r["requests"] for r in runs),

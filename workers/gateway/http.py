@@ -62,6 +62,7 @@ from workers.gateway.openai_api import (
 from workers.shell.runtime import WALL, bind_log_context
 from workers.stores.etcd import NodeRegistry
 from workers.stores.ingress import Gateway, RequestRejected, served_models
+from workers.stores.replies import ReplyMux
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-# Each streaming request holds one connection while it blocks in XREAD; the pool (gateway.redis_max_connections)
-# bounds them and makes a request wait (then fail with 503) instead of opening connections without limit.
+# An open request holds no connection (one reader serves them all: workers/stores/replies.py); admissions and reads
+# take one from the pool (gateway.redis_max_connections) for a round trip, and wait for one (then fail with 503)
+# instead of opening connections without limit.
 REDIS_POOL_WAIT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
 
@@ -127,6 +129,24 @@ class GatewayMetrics:
         )
         self.rejected = Counter("rackflow_gateway_rejected", "Requests answered with an error, by reason",
                                 ["reason"], registry=r)
+
+    def watch_replies(self, mux: ReplyMux) -> None:
+        """The reply stream reader's state, read at each scrape: open requests, events buffered for them (memory per
+        open request is bounded by `gateway.reply_queue_events`), and the fallbacks taken."""
+        r = self.registry
+        stats = mux.stats
+        for name, doc, fn in (
+            ("open_requests", "Requests open on this gateway's reply stream", lambda: mux.open_requests),
+            ("queued_events", "Events buffered in the gateway for open requests (bounded per request)",
+             mux.queued_events),
+            ("queue_max_events", "Largest per-request buffer seen", lambda: stats.queue_max),
+            ("dropped_events", "Events not buffered because a slow client's buffer was full (it caught up from its "
+             "request stream)", lambda: stats.dropped),
+            ("catch_ups", "Reads of a request's own stream to fill a gap or find a missed result",
+             lambda: stats.catch_ups),
+            ("read_errors", "Failed reads of the reply stream (retried)", lambda: stats.read_errors),
+        ):
+            Gauge(f"rackflow_gateway_reply_{name}", doc, registry=r).set_function(fn)
 
 
 class _MetricsMiddleware:
@@ -470,18 +490,24 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        pool: aioredis.BlockingConnectionPool | None = None
         if is_cluster_url(redis_url):  # a cluster client keeps a pool per node
             r = connect(redis_url, max_connections=config.gateway.redis_max_connections, socket_connect_timeout=5)
         else:
             pool = aioredis.BlockingConnectionPool.from_url(
                 redis_url, max_connections=config.gateway.redis_max_connections, timeout=REDIS_POOL_WAIT_S,
-                socket_connect_timeout=5,
+                socket_connect_timeout=5, client_name="rackflow-gateway",
             )
             r = aioredis.Redis(connection_pool=pool)
         # the racks' health as the router sees it (etcd's registry and the monitor's verdicts): a drained rack is
         # not one the gateway predicts requests to; without etcd, a node with a fresh status counts as active
         registry = NodeRegistry(etcd_url) if etcd_url else None
-        api.attach(Gateway(config, r, registry))
+        gw = config.gateway
+        replies = ReplyMux(r, queue_events=gw.reply_queue_events, sweep_ms=gw.reply_sweep_ms, ttl_s=gw.reply_ttl_s,
+                           max_open_s=gw.request_timeout_s + 60)
+        await replies.start()
+        metrics.watch_replies(replies)
+        api.attach(Gateway(config, r, registry, replies))
         await jobs_api.start(r)
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")
         try:
@@ -491,8 +517,10 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
             api.attach(None)
             if registry is not None:
                 await registry.close(revoke=False)
+            await replies.close()
             await r.aclose()
-            await pool.disconnect()
+            if pool is not None:
+                await pool.disconnect()
             log.info("gateway stopped; redis connections closed")
 
     app = FastAPI(title="rackflow gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -558,7 +558,7 @@ class Worker:
             toks = live.pending_tokens
             events.append(TokenEvent(
                 request_id=rid, version=live.req.version, index=toks[0][0], token_ids=tuple(t[1] for t in toks),
-                texts=tuple(t[2] for t in toks), ts_ms=now, node=self.node,
+                texts=tuple(t[2] for t in toks), ts_ms=now, node=self.node, reply_to=live.req.reply_to,
             ))
             live.pending_tokens = []
         return events

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
@@ -37,8 +39,10 @@ from workers.shell import tracing
 from workers.shell.runtime import WALL
 from workers.stores.cluster_view import ClusterView
 from workers.stores.etcd import NodeRegistry
+from workers.stores.replies import ReplyMux
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _no_stream_yet(exc: aioredis.ResponseError, key: str, command: str) -> None:
@@ -77,17 +81,21 @@ class RequestRejected(RackflowError, ValueError):
 
 
 class Gateway:
-    def __init__(self, config: RackflowConfig, r: aioredis.Redis, registry: NodeRegistry | None = None) -> None:
+    def __init__(self, config: RackflowConfig, r: aioredis.Redis, registry: NodeRegistry | None = None,
+                 replies: ReplyMux | None = None) -> None:
         """`registry`: etcd's node registry, for the racks' health as the router sees it (drained or dead nodes
-        do not count); without it a node with a fresh status counts as active."""
+        do not count); without it a node with a fresh status counts as active. `replies`: the process's reply
+        stream reader (the HTTP gateway's); without it each request's outputs are read from its own stream."""
         self.config = config
         self.r = r
+        self.replies = replies
         pol = config.policies
         self.view = ClusterView(config, r, registry, stale_ms=pol.node_selection.stale_ms,
                                 decode_weight_tokens=pol.router.decode_weight_tokens, raise_on_denied=True)
         self.producer = StreamProducer(r, WALL.now_ms, config.policies.streams.retention_s * 1000)
         self._tokenizers: dict[str, Any] = {}
-        self._backlog = (0.0, 0)  # (monotonic time read, value)
+        self._backlog = (-math.inf, 0)  # (monotonic time read, value)
+        self._backlog_lock = asyncio.Lock()
         self._queues: dict[str, int] = {}
         self._views: dict[str, RackView] = {}
         self._rack_policy: RackAffinityRouter = build_router(config, prefix_aware=False)
@@ -171,11 +179,19 @@ class Gateway:
         return float(v) if v is not None else None
 
     async def backlog(self, max_age_s: float = 0.1) -> int:
-        """Requests waiting for the router: rf:ingress lag + pending of the router group (cached briefly)."""
+        """Requests waiting for the router: rf:ingress lag + pending of the router group (cached briefly; the
+        requests admitted while it is read share one read, not one each)."""
         t, v = self._backlog
-        now = time.monotonic()
-        if now - t < max_age_s:
+        if time.monotonic() - t < max_age_s:
             return v
+        async with self._backlog_lock:
+            t, v = self._backlog
+            if time.monotonic() - t < max_age_s:
+                return v
+            return await self._read_backlog()
+
+    async def _read_backlog(self) -> int:
+        now = time.monotonic()
         try:
             groups = await self.r.xinfo_groups(keys.INGRESS)
         except aioredis.ResponseError as e:
@@ -296,7 +312,17 @@ class Gateway:
                        f"{gw.max_queue_s:g} s")
                 raise RequestRejected(f"rack {rack} is saturated ({why}); retry later", 429, None,
                                       verdict.retry_after_s, code="overloaded")
-        await self.producer.add(keys.INGRESS, req)
+        if self.replies is None or not self.replies.ready:
+            await self.producer.add(keys.INGRESS, req)
+            return req
+        # open it on the reply stream first: nothing written for it can arrive before its reader exists
+        req = _replace(req, reply_to=self.replies.key)
+        self.replies.subscribe(req.request_id)
+        try:
+            await self.producer.add(keys.INGRESS, req)
+        except BaseException:
+            self.replies.unsubscribe(req.request_id)
+            raise
         return req
 
     async def submit(self, inp: ProfileInput) -> RequestEvent:
@@ -321,7 +347,15 @@ class Gateway:
         self, request_id: str, timeout_s: float | None = None, block_ms: int = 1000
     ) -> AsyncGenerator[TokenEvent | ResultEvent, None]:
         """Token chunks of a request as they are generated, then its final ResultEvent. Raises TimeoutError when
-        nothing final arrives within `timeout_s` (default: gateway.request_timeout_s)."""
+        nothing final arrives within `timeout_s` (default: gateway.request_timeout_s). A request admitted here
+        with a reply stream is read from it (no connection held); any other from its own stream (one blocking
+        XREAD at a time)."""
+        if self.replies is not None and self.replies.subscribed(request_id):
+            limit = timeout_s if timeout_s is not None else self.config.gateway.request_timeout_s
+            async with aclosing(self.replies.outputs(request_id, limit)) as events:
+                async for ev in events:
+                    yield ev
+            return
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.gateway.request_timeout_s)
         stream = keys.request_out(request_id)
         last = "0-0"
@@ -366,10 +400,8 @@ class Gateway:
         return None
 
 
-def _replace(inp: ProfileInput, **kw: Any) -> ProfileInput:
-    import dataclasses
-
-    return dataclasses.replace(inp, **kw)
+def _replace(obj: _T, **kw: Any) -> _T:
+    return dataclasses.replace(obj, **kw)  # type: ignore[type-var]
 
 
 def _with_ids(inp: ProfileInput, ids: Sequence[int]) -> ProfileInput:

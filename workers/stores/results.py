@@ -4,6 +4,12 @@
 not set, appends the ResultEvent to `rf:results`; both keys hash to one slot, so this also holds on Redis Cluster.
 A duplicate delivery, a redelivered batch or a migrated sequence finishing twice can never add a second result.
 The client's stream `rf:out:{id}` gets the result as its last entry (after its tokens) and expires after a TTL.
+
+A request admitted by an HTTP gateway names that gateway's reply stream (`reply_to`, `rf:gw:{ID}:out`): every token
+chunk and result written here is appended there too, in the same round trip, so that the gateway reads all its
+open requests with one connection (workers/stores/replies.py). The per-request stream stays the durable copy. A
+`reply_to` that is not a gateway reply stream is ignored (it comes from the stream, and a writer must not be made to
+append anywhere else); a reply stream that has expired (its gateway stopped) is not re-created (NOMKSTREAM).
 """
 
 from __future__ import annotations
@@ -20,6 +26,14 @@ from workers.shell import metrics
 from workers.shell.runtime import WALL
 
 log = logging.getLogger(__name__)
+
+
+def _reply(pipe: object, ev: TokenEvent | ResultEvent, fields: dict[bytes, bytes]) -> None:
+    """Queue the copy of `ev` for its gateway's reply stream on `pipe` (nothing without a valid `reply_to`)."""
+    if ev.reply_to and keys.is_gateway_replies(ev.reply_to):
+        pipe.xadd(ev.reply_to, fields, maxlen=keys.GATEWAY_REPLIES_MAXLEN, approximate=True,  # type: ignore[attr-defined]
+                  nomkstream=True)
+
 
 _EWMA_LUA = """
 local v = tonumber(ARGV[1])
@@ -121,6 +135,7 @@ class ResultWriter:
         pipe = self.r.pipeline(transaction=False)
         pipe.xadd(out, f)  # type: ignore[arg-type]
         pipe.expire(out, self.out_ttl_s)
+        _reply(pipe, result, f)
         await pipe.execute()
         metrics.observe_results([result], [bool(written)])
         return bool(written)
@@ -136,12 +151,17 @@ class ResultWriter:
         minid = minid_for(self.now_ms(), self.retention_ms)
         pipe = self.r.pipeline(transaction=False)
         expiring: set[str] = set()
+        n_replies = 0
         for ev in tokens:
             out = keys.request_out(ev.request_id)
-            pipe.xadd(out, codec.encode(ev))  # type: ignore[arg-type]
+            tf = codec.encode(ev)
+            pipe.xadd(out, tf)  # type: ignore[arg-type]
             if ev.index == 0:  # the stream is new: give it its TTL once (XADD keeps an existing TTL)
                 pipe.expire(out, self.out_ttl_s)
                 expiring.add(ev.request_id)
+            if ev.reply_to and keys.is_gateway_replies(ev.reply_to):
+                _reply(pipe, ev, tf)
+                n_replies += 1
         encoded = [codec.encode(r) for r in results]
         for r, f in zip(results, encoded, strict=True):
             # A cluster pipeline refuses EVALSHA (the script may not be loaded on every node): EVAL with the
@@ -149,7 +169,7 @@ class ResultWriter:
             pipe.execute_command("EVAL", _FINAL_LUA, 2, keys.result_done(r.request_id), keys.RESULTS,
                                  r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"])
         replies = await pipe.execute()
-        written = [bool(x) for x in replies[len(tokens) + len(expiring):]]
+        written = [bool(x) for x in replies[len(tokens) + len(expiring) + n_replies:]]
         pipe = self.r.pipeline(transaction=False)
         for r, f, w in zip(results, encoded, written, strict=True):
             if w and r.status == "ok":
@@ -160,6 +180,7 @@ class ResultWriter:
             out = keys.request_out(r.request_id)
             pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)  # also covers a result whose stream had no token chunk
+            _reply(pipe, r, f)
         if results:
             await pipe.execute()
         metrics.observe_results(results, written)
@@ -171,17 +192,20 @@ class ResultWriter:
         last_chunk = {t.request_id: t for t in tokens if t.request_id in finishing}
         pipe = self.r.pipeline(transaction=False)
         for ev in tokens:
+            f = codec.encode(ev)
+            _reply(pipe, ev, f)  # the gateway's copy: every chunk, before any result
             if ev.request_id in finishing:
                 continue  # goes out inside the finish script, right before the result
             out = keys.request_out(ev.request_id)
-            f = codec.encode(ev)
             if ev.index == 0:
                 await self._first(keys=[out], args=[f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s], client=pipe)
             else:
                 pipe.xadd(out, f)  # type: ignore[arg-type]
         n_before = len(pipe.command_stack)
+        encoded = []
         for r in results:
             f = codec.encode(r)
+            encoded.append(f)
             chunk = last_chunk.get(r.request_id)
             cf = codec.encode(chunk) if chunk is not None else {b"v": b"", b"t": b"", b"d": b""}
             await self._finish(
@@ -192,8 +216,10 @@ class ResultWriter:
                       cf[b"v"], cf[b"t"], cf[b"d"]],
                 client=pipe,
             )
+        for r, f in zip(results, encoded, strict=True):
+            _reply(pipe, r, f)
         replies = await pipe.execute()
-        written = [bool(x) for x in replies[n_before:]]
+        written = [bool(x) for x in replies[n_before:n_before + len(results)]]
         metrics.observe_results(results, written)
         for r, w in zip(results, written, strict=True):
             if not w:
@@ -229,8 +255,10 @@ class ResultWriter:
         pipe = self.r.pipeline(transaction=False)
         for ev in events:
             out = keys.request_out(ev.request_id)
-            pipe.xadd(out, codec.encode(ev))  # type: ignore[arg-type]
+            f = codec.encode(ev)
+            pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)
+            _reply(pipe, ev, f)
         await pipe.execute()
 
 

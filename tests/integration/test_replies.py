@@ -1,0 +1,163 @@
+"""The gateway's reply stream on a real Valkey: one reader for every open request (workers/stores/replies.py),
+fed by the real writer (workers/stores/results.py).
+
+What it must hold: every token once and in order, then the result; a bounded buffer per request (a slow reader
+catches up from the request's own stream, losing nothing); a result that never reached the reply stream is found by
+the sweep; a `reply_to` that is not a gateway reply stream is never written to; many open requests, one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from pipeline.events import RequestEvent, ResultEvent, TokenEvent
+from streams import keys
+from workers.local.services import ServiceEndpoints
+from workers.stores.replies import ReplyMux
+from workers.stores.results import ResultWriter
+
+pytestmark = pytest.mark.integration
+NAME = "rackflow-test-replies"
+
+
+def _req(reply_to: str) -> RequestEvent:
+    return RequestEvent(request_id=str(uuid.uuid4()), version=1, tenant="t", user_id="u", model="qwen2-7b",
+                        in_tokens=4, out_tokens=8, max_tokens=8, mem_est_kb=1.0, arrival_ms=time.time() * 1000,
+                        reply_to=reply_to)
+
+
+def _tokens(req: RequestEvent, start: int, n: int) -> TokenEvent:
+    return TokenEvent(req.request_id, req.version, start, tuple(range(start, start + n)),
+                      tuple(f" t{i}" for i in range(start, start + n)), time.time() * 1000, "r0-n0", req.reply_to)
+
+
+def _result(req: RequestEvent, out_tokens: int) -> ResultEvent:
+    return ResultEvent.of(req, "ok", "r0-n0", "r0", time.time() * 1000, out_tokens=out_tokens,
+                          text="".join(f" t{i}" for i in range(out_tokens)))
+
+
+def _run(ep: ServiceEndpoints, test: Callable[[aioredis.Redis], Awaitable[None]]) -> None:
+    async def main() -> None:
+        r = aioredis.Redis.from_url(ep.redis_url, client_name=NAME)
+        try:
+            await test(r)
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+async def _ready(mux: ReplyMux) -> None:
+    await mux.start()
+    for _ in range(200):
+        if mux.ready:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the reply stream never became ready")
+
+
+async def _collect(mux: ReplyMux, rid: str, timeout_s: float = 10.0) -> tuple[list[int], ResultEvent]:
+    ids: list[int] = []
+    async for ev in mux.outputs(rid, timeout_s):
+        if isinstance(ev, ResultEvent):
+            return ids, ev
+        ids += ev.token_ids
+    raise AssertionError("outputs ended without a result")
+
+
+def test_many_open_requests_share_one_reader(clean_services: ServiceEndpoints) -> None:
+    _run(clean_services, _test_many_open_requests_share_one_reader)
+
+
+async def _test_many_open_requests_share_one_reader(r: aioredis.Redis) -> None:
+    mux = ReplyMux(r, sweep_ms=200)
+    await _ready(mux)
+    writer = ResultWriter(r, lambda: time.time() * 1000, 60_000)
+    reqs = [_req(mux.key) for _ in range(300)]
+    try:
+        for q in reqs:
+            mux.subscribe(q.request_id)
+        readers = [asyncio.create_task(_collect(mux, q.request_id)) for q in reqs]
+        for step in range(4):  # 4 chunks of 2 tokens each, then the results (a worker's steps)
+            await writer.write_many([], [_tokens(q, 2 * step, 2) for q in reqs])
+        await writer.write_many([_result(q, 8) for q in reqs], [])
+        got = await asyncio.gather(*readers)
+        # a few connections for the writes and the reader, not one per open request
+        assert sum(1 for c in await r.client_list() if c.get("name") == NAME) <= 4
+    finally:
+        await mux.close()
+    for ids, res in got:
+        assert ids == list(range(8)) and res.status == "ok"
+    assert mux.open_requests == 0 and mux.stats.catch_ups == 0
+
+
+def test_a_slow_reader_has_a_bounded_buffer_and_loses_nothing(clean_services: ServiceEndpoints) -> None:
+    _run(clean_services, _test_a_slow_reader_has_a_bounded_buffer_and_loses_nothing)
+
+
+async def _test_a_slow_reader_has_a_bounded_buffer_and_loses_nothing(r: aioredis.Redis) -> None:
+    mux = ReplyMux(r, queue_events=4, sweep_ms=200)
+    await _ready(mux)
+    writer = ResultWriter(r, lambda: time.time() * 1000, 60_000)
+    q = _req(mux.key)
+    mux.subscribe(q.request_id)
+    try:
+        for i in range(40):  # nobody reads yet: the buffer holds 4 events, the rest stays in rf:out:{id}
+            await writer.stream_tokens([_tokens(q, i, 1)])
+        await writer.write_many([_result(q, 40)], [])
+        for _ in range(100):
+            if mux.stats.dropped:
+                break
+            await asyncio.sleep(0.02)
+        assert mux.stats.queue_max <= 4 and mux.stats.dropped > 0
+        ids, res = await _collect(mux, q.request_id)
+    finally:
+        await mux.close()
+    assert ids == list(range(40)) and res.out_tokens == 40
+    assert mux.stats.catch_ups >= 1
+
+
+def test_a_result_that_missed_the_reply_stream_is_found_by_the_sweep(clean_services: ServiceEndpoints) -> None:
+    _run(clean_services, _test_a_result_that_missed_the_reply_stream_is_found_by_the_sweep)
+
+
+async def _test_a_result_that_missed_the_reply_stream_is_found_by_the_sweep(r: aioredis.Redis) -> None:
+    mux = ReplyMux(r, sweep_ms=100)
+    await _ready(mux)
+    writer = ResultWriter(r, lambda: time.time() * 1000, 60_000)
+    q = _req(mux.key)
+    mux.subscribe(q.request_id)
+    try:
+        # written by a writer that does not know the reply stream (an older worker): only rf:out:{id} has it
+        old = dataclasses.replace(q, reply_to="")
+        await writer.write_many([_result(old, 3)], [_tokens(old, 0, 3)])
+        ids, res = await _collect(mux, q.request_id, timeout_s=5)
+    finally:
+        await mux.close()
+    assert ids == [0, 1, 2] and res.out_tokens == 3
+    assert mux.stats.swept_missed == 1
+
+
+def test_a_reply_to_that_is_not_a_gateway_stream_is_never_written(clean_services: ServiceEndpoints) -> None:
+    _run(clean_services, _test_a_reply_to_that_is_not_a_gateway_stream_is_never_written)
+
+
+async def _test_a_reply_to_that_is_not_a_gateway_stream_is_never_written(r: aioredis.Redis) -> None:
+    writer = ResultWriter(r, lambda: time.time() * 1000, 60_000)
+    for target in (keys.INGRESS, "rf:gw:{x}:out:extra", "anything"):
+        q = _req(target)
+        await writer.write_many([_result(q, 1)], [_tokens(q, 0, 1)])
+        assert not await r.exists(target)
+    # and an expired reply stream (its gateway stopped) is not re-created
+    gone = keys.gateway_replies("stopped-gateway")
+    q = _req(gone)
+    await writer.write_many([_result(q, 1)], [_tokens(q, 0, 1)])
+    assert not await r.exists(gone)
+    assert await r.exists(keys.request_out(q.request_id))  # the request's own stream has it all
