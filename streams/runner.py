@@ -91,15 +91,21 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
             **{k: v for k, v in kwargs.items() if k not in ("health_check_interval",)},
         )
         return cluster  # type: ignore[return-value]
-    if FAST_CONNECTION is not None and url.startswith("redis://") and "connection_class" not in kwargs:
-        kwargs["connection_class"] = FAST_CONNECTION
-    return aioredis.Redis.from_url(
-        url,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=8),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError, BusyLoadingError],
-        health_check_interval=30,
-        **kwargs,
-    )
+    return aioredis.Redis.from_url(url, **{**retrying_connection_kwargs(url), **kwargs})
+
+
+def retrying_connection_kwargs(url: str) -> dict[str, Any]:
+    """The connection settings of `connect` for a single server, for a pool built elsewhere (the gateway's bounded
+    pool): retries of transient failures with jittered exponential backoff (about 8 s in all), a health check of
+    idle connections, and hiredis command packing on plain TCP."""
+    kw: dict[str, Any] = {
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=8),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError, BusyLoadingError],
+        "health_check_interval": 30,
+    }
+    if FAST_CONNECTION is not None and url.startswith("redis://"):
+        kw["connection_class"] = FAST_CONNECTION
+    return kw
 
 
 def _s(x: Any) -> str:

@@ -230,7 +230,7 @@ def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8
 def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> int:
     from workers.local.services import EmbeddedServices
 
-    if args.what in ("pipeline", "batching", "kv", "failover", "gateway"):
+    if args.what in ("pipeline", "batching", "kv", "failover", "gateway", "streams-capacity"):
         services = None
         tmp = None
         if endpoints is None:
@@ -253,7 +253,13 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
                 from workers.bench.gateway import bench_gateway
 
                 res = bench_gateway(endpoints[0], endpoints[1], clients=getattr(args, "clients", 32),
-                                    duration_s=getattr(args, "duration_s", 12.0), progress=not args.no_progress)
+                                    duration_s=getattr(args, "duration_s", 12.0), repeats=args.repeats,
+                                    progress=not args.no_progress)
+            elif args.what == "streams-capacity":
+                from workers.bench.streams_capacity import bench_streams_capacity
+
+                res = bench_streams_capacity(endpoints[0], endpoints[1], streams=args.streams,
+                                             max_tokens=args.stream_tokens, progress=not args.no_progress)
             elif args.what == "failover":
                 from workers.bench.failover import bench_failover
 

@@ -1,5 +1,6 @@
-"""`rackflow bench streams|profile|route|pipeline|batching|kv|failover|gateway|engines`: the benchmarks
-(`workers/bench/`), medians and ratios measured side by side; `engines` re-runs itself in .venv-vllm."""
+"""`rackflow bench streams|profile|route|pipeline|batching|kv|failover|gateway|streams-capacity|soak|engines`: the
+benchmarks (`workers/bench/`), medians and ratios measured side by side; `engines` re-runs itself in .venv-vllm;
+`soak` starts its own durable services unless given `--redis-url` (then it cannot restart Valkey, and says so)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.what == "engines":
         return _bench_engines(args)
+    if args.what == "soak":
+        from workers.bench.micro import _print
+        from workers.bench.soak import bench_soak
+
+        # only servers named on the command line: the soak restarts Valkey, which it may do only to its own
+        _print(bench_soak(args.redis_url, args.etcd_url, minutes=args.minutes, progress=not args.no_progress),
+               args.json)
+        return 0
 
     return run_bench(args, endpoints_or_none(args))
 
@@ -47,7 +56,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
     s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover", "gateway",
-                                    "engines"])
+                                    "streams-capacity", "soak", "engines"])
     s.add_argument("--model-dir", default=None, help="engines: the checkpoint both engines load (default: the tiny "
                    f"test checkpoint in {DEFAULT_VLLM_CHECKPOINT}, made if missing)")
     s.add_argument("--bench-tokens", type=int, default=64, help="engines: tokens per sequence")
@@ -60,4 +69,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--tokenizer", default=None, help="profile: count with this tokenizer.json (exact path)")
     s.add_argument("--clients", type=int, default=32, help="gateway: concurrent HTTP clients")
     s.add_argument("--duration-s", type=float, default=12.0, help="gateway: seconds per measured run (3 runs)")
+    s.add_argument("--streams", type=int, default=10_000, help="streams-capacity: concurrent streaming requests")
+    s.add_argument("--stream-tokens", type=int, default=32, help="streams-capacity: max_tokens of each stream")
+    s.add_argument("--minutes", type=float, default=20.0, help="soak: minutes of load at 80%% of capacity, a random "
+                   "role killed every 30 s, Valkey restarted once")
     s.set_defaults(fn=cmd_bench)

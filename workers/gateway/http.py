@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.config import RackflowConfig
 from pipeline.events import REQUEST_ID, RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
-from streams.runner import connect, is_cluster_url
+from streams.runner import connect, is_cluster_url, retrying_connection_kwargs
 from workers.gateway.auth import Authenticator, Principal
 from workers.gateway.edge import ApiError, Edge, _from_rejected, _store_down
 from workers.gateway.openai_api import (
@@ -494,9 +494,11 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         if is_cluster_url(redis_url):  # a cluster client keeps a pool per node
             r = connect(redis_url, max_connections=config.gateway.redis_max_connections, socket_connect_timeout=5)
         else:
+            # the roles' retry policy (streams.runner.connect): a Valkey restart of a second or two, or a pooled
+            # connection it closed, is retried with backoff instead of answering 503
             pool = aioredis.BlockingConnectionPool.from_url(
                 redis_url, max_connections=config.gateway.redis_max_connections, timeout=REDIS_POOL_WAIT_S,
-                socket_connect_timeout=5, client_name="rackflow-gateway",
+                socket_connect_timeout=5, client_name="rackflow-gateway", **retrying_connection_kwargs(redis_url),
             )
             r = aioredis.Redis(connection_pool=pool)
         # the racks' health as the router sees it (etcd's registry and the monitor's verdicts): a drained rack is
