@@ -139,4 +139,4 @@ services-down: $(STAMP)
 
 clean:
 	-$(RF) services down 2>/dev/null
-	rm -rf $(VENV) $(VVENV) .cache .rackflow *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VVENV) .venv-peers .cache .rackflow *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

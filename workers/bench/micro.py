@@ -255,6 +255,14 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
                 res = bench_gateway(endpoints[0], endpoints[1], clients=getattr(args, "clients", 32),
                                     duration_s=getattr(args, "duration_s", 12.0), repeats=args.repeats,
                                     progress=not args.no_progress)
+                if getattr(args, "peer", None) == "smg":
+                    from workers.bench.peer import bench_bare, bench_peer
+
+                    # the same load generator, clients, durations and repeats, one after the other in this run
+                    same = {"clients": res["clients"], "duration_s": res["duration_s"], "repeats": res["repeats"],
+                            "max_tokens": res["max_tokens"], "progress": not args.no_progress}
+                    res["peer"] = bench_peer(**same)
+                    res["bare"] = bench_bare(**same)
             elif args.what == "streams-capacity":
                 from workers.bench.streams_capacity import bench_streams_capacity
 

@@ -69,6 +69,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--tokenizer", default=None, help="profile: count with this tokenizer.json (exact path)")
     s.add_argument("--clients", type=int, default=32, help="gateway: concurrent HTTP clients")
     s.add_argument("--duration-s", type=float, default=12.0, help="gateway: seconds per measured run (3 runs)")
+    s.add_argument("--peer", choices=["smg"], default=None,
+                   help="gateway: also run this peer gateway (SMG, a Rust gateway, installed on first use into "
+                        ".venv-peers) and the bare HTTP endpoint, in the same run with the same load generator")
     s.add_argument("--streams", type=int, default=10_000, help="streams-capacity: concurrent streaming requests")
     s.add_argument("--stream-tokens", type=int, default=32, help="streams-capacity: max_tokens of each stream")
     s.add_argument("--minutes", type=float, default=20.0, help="soak: minutes of load at 80%% of capacity, a random "

@@ -1,0 +1,484 @@
+"""Peers for `rackflow bench gateway`: another gateway, and the bare HTTP stack, under the same load generator.
+
+Measured, each in its own processes on loopback, by the closed-loop load generator of `workers/bench/gateway.py`
+(`closed_loop`: N concurrent clients, non-streamed completions with small `max_tokens`, every k-th one streamed and
+read to `[DONE]`), with the same warm-up run and the same medians over repeats as `bench_gateway`:
+
+- `bench_peer`: SMG (`smg launch --policy round_robin`, a Rust OpenAI-compatible gateway; a benchmark dependency,
+  the `peers` extra, installed into `.venv-peers` on first use) in front of 2 zero-time engines, each a thin
+  OpenAI-compatible shim process (below);
+- `bench_bare`: one shim, no gateway in front: the ceiling of the HTTP stack (FastAPI on uvicorn) on this machine,
+  with uvicorn's `h11` parser (what runs here: httptools is not a dependency) or `httptools` (what it would buy).
+
+The shim (`python -m workers.bench.peer shim --port N [--http h11|httptools]`) is the zero-time engine: FastAPI on
+uvicorn answering POST /v1/completions at once, `max_tokens` tokens, as one JSON body or as one SSE chunk per token,
+a finish chunk and `data: [DONE]`; plus GET /health and /v1/models, all that SMG needs to register a worker (it also
+probes /version, /server_info, /model_info and /loads, whose 404s make it register a generic OpenAI backend).
+
+Reported per peer, as medians over repeats: `rps` (completed, correct answers per second), `p50_ms` / `p99_ms`
+(request sent -> full answer, or -> `[DONE]`), `added_ttft_p50_ms` / `added_ttft_p99_ms` (streamed requests: sent ->
+first chunk with text; the engine takes no time, so all of it is added by the HTTP path), `errors` (must be 0), and
+`cpu_us_per_request`: the CPU time (user + system) that the load generator (`client`) and each role's processes
+spent per completed request. The load generator shares the machine's cores with the processes it measures, as in
+`bench_gateway`; on a busy or small machine the CPU times are the steadier figure, and where `client` costs more
+than the server the req/s are the load generator's ceiling, not the server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import importlib.metadata
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from tqdm import tqdm
+
+from pipeline.errors import RackflowError
+from pipeline.stats import percentile
+from workers.bench.gateway import MODEL, Outcome, closed_loop, summarize
+from workers.local.supervise import LOOPBACK, ServiceError, _log_tail, _ServerProcess, free_port
+from workers.shell.runtime import run_async
+
+SMG_VERSION = "1.13.0"
+SMG_SPEC = f"smg=={SMG_VERSION}"
+REPO = Path(__file__).resolve().parents[2]
+PEERS_VENV = REPO / ".venv-peers"
+"""Where `ensure_smg` installs SMG when this environment lacks it (git-ignored by its own .gitignore)."""
+FLOORS = REPO / "deploy" / "security" / "advisory-floors.txt"
+
+Parser = Literal["h11", "httptools"]
+PARSERS: tuple[Parser, ...] = ("h11", "httptools")
+TOKEN = " x"
+"""The text of each generated token."""
+_START_TIMEOUT_S = 60.0
+_NO_HTTPTOOLS = "uvicorn's httptools parser is not installed here (pip install httptools)"
+
+
+class PeerUnavailable(RackflowError, RuntimeError):
+    """A peer cannot run here: SMG could not be installed, or the HTTP parser asked for is not installed."""
+
+
+# -- the zero-time engine shim ---------------------------------------------------------------------------------
+
+def shim_app() -> FastAPI:
+    """The zero-time OpenAI-compatible engine: a FastAPI app with raw responses (no response models, no
+    validation beyond what a completion needs), so that what it costs is the HTTP stack's."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    ids = itertools.count()
+    pid = os.getpid()
+    models = json.dumps({"object": "list", "data": [
+        {"id": MODEL, "object": "model", "created": 0, "owned_by": "rackflow-shim"}]}).encode()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response()
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return Response(models, media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+            n = int(body.get("max_tokens") or 16)
+            model = str(body.get("model") or MODEL)
+        except (ValueError, TypeError, AttributeError) as e:
+            return Response(json.dumps({"error": {"message": f"bad request: {e}", "code": "invalid_request"}}),
+                            status_code=400, media_type="application/json")
+        rid = f"cmpl-{pid}-{next(ids)}"
+        created = int(time.time())
+
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        if not body.get("stream"):
+            out = choice(TOKEN * n, "length")
+            out["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            return Response(json.dumps(out), media_type="application/json")
+        token = f"data: {json.dumps(choice(TOKEN, None))}\n\n".encode()
+        last = f"data: {json.dumps(choice('', 'length'))}\n\ndata: [DONE]\n\n".encode()
+
+        async def sse() -> AsyncIterator[bytes]:
+            for _ in range(n):
+                yield token
+            yield last
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return app
+
+
+def serve_shim(port: int, http: Parser = "h11", host: str = LOOPBACK) -> None:
+    """Run the shim until SIGTERM/SIGINT (uvicorn on uvloop, as the gateway runs)."""
+    if http == "httptools" and not httptools_installed():
+        raise PeerUnavailable(_NO_HTTPTOOLS)
+    uvicorn.run(shim_app(), host=host, port=port, http=http, loop="auto", log_level="warning", access_log=False,
+                server_header=False, date_header=False)
+
+
+def httptools_installed() -> bool:
+    return importlib.util.find_spec("httptools") is not None
+
+
+# -- processes ---------------------------------------------------------------------------------------------------
+
+def _get_ok(url: str, timeout_s: float = 1.0) -> bytes | None:
+    """The body of a 200 answer to GET `url`, else None."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return bytes(resp.read()) if resp.status == 200 else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class _HttpProcess(_ServerProcess):
+    """One HTTP server as a child process on a free loopback port (a port lost to a race is picked again)."""
+
+    def __init__(self, name: str, data_dir: Path) -> None:
+        super().__init__(data_dir, ())
+        self.service = name
+        self.log_file = self.data_dir / f"{name}.log"
+        self.port = free_port()
+
+    def _ports_chosen_here(self) -> bool:
+        return True
+
+    def _repick_ports(self) -> None:
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+
+class ShimProcess(_HttpProcess):
+    """`python -m workers.bench.peer shim`, healthy once GET /health answers."""
+
+    def __init__(self, name: str, data_dir: Path, http: Parser = "h11") -> None:
+        super().__init__(name, data_dir)
+        self.http = http
+
+    def _argv(self) -> list[str]:
+        return [sys.executable, "-m", "workers.bench.peer", "shim", "--port", str(self.port), "--http", self.http]
+
+    def healthy(self) -> bool:
+        return _get_ok(f"{self.url}/health") is not None
+
+
+class SmgProcess(_HttpProcess):
+    """`smg launch` in front of `worker_urls`, healthy once it lists every worker as healthy (SMG's own /health
+    answers before any worker is registered)."""
+
+    def __init__(self, smg: Path, worker_urls: Sequence[str], data_dir: Path, policy: str = "round_robin") -> None:
+        super().__init__("smg", data_dir)
+        self.smg = smg
+        self.worker_urls = tuple(worker_urls)
+        self.policy = policy
+        self.metrics_port = free_port()
+
+    def _repick_ports(self) -> None:
+        super()._repick_ports()
+        self.metrics_port = free_port()
+
+    def _argv(self) -> list[str]:
+        return [
+            str(self.smg), "launch", "--host", LOOPBACK, "--port", str(self.port),
+            "--worker-urls", *self.worker_urls, "--policy", self.policy,
+            # its metrics listener binds 0.0.0.0:29000 by default: loopback, and a port of its own per run
+            "--prometheus-host", LOOPBACK, "--prometheus-port", str(self.metrics_port),
+            # it logs every request at info: warn, as the gateway's bench runs at WARNING without an access log
+            "--log-level", "warn",
+            # it waits up to 180 s for in-flight requests on SIGTERM
+            "--shutdown-grace-period-secs", "1",
+        ]
+
+    def healthy(self) -> bool:
+        body = _get_ok(f"{self.url}/workers")
+        if body is None:
+            return False
+        try:
+            workers = json.loads(body)["workers"]
+            return sum(1 for w in workers if w.get("is_healthy")) == len(self.worker_urls)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+
+
+@contextlib.contextmanager
+def _running(procs: Sequence[_HttpProcess]) -> Iterator[None]:
+    """Start `procs` in order, each healthy before the next; stop them all (reverse order) however the block ends,
+    Ctrl-C included. Each runs in its own session and gets SIGKILL if this process dies."""
+    try:
+        for p in procs:
+            p.start(timeout_s=_START_TIMEOUT_S)
+        yield
+    finally:
+        for p in reversed(procs):
+            p.stop(timeout_s=5.0)
+
+
+def _check_alive(procs: Sequence[_HttpProcess]) -> None:
+    dead = [p for p in procs if p.pid is None]
+    if dead:
+        tails = "\n".join(f"--- {p.service} ({p.log_file}):\n{_log_tail(p.log_file)}" for p in dead)
+        raise RuntimeError(f"died during the benchmark: {', '.join(p.service for p in dead)}\n{tails}")
+
+
+# -- SMG ---------------------------------------------------------------------------------------------------------
+
+def _smg_here() -> Path | None:
+    """SMG at the pinned version in this environment (the `peers` extra), else None."""
+    try:
+        if importlib.metadata.version("smg") != SMG_VERSION:
+            return None
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    exe = Path(sys.executable).parent / "smg"
+    return exe if exe.exists() else None
+
+
+def ensure_smg(progress: bool = True, timeout_s: float = 600.0) -> Path:
+    """The `smg` executable: this environment's (`pip install -e '.[peers]'`), else the one in `.venv-peers`,
+    which is created with SMG installed on the first call (pip, from the registry: 5 to 60 s here) and reused
+    after. Raises PeerUnavailable, with pip's output, when it cannot be installed within `timeout_s`."""
+    here = _smg_here()
+    if here is not None:
+        return here
+    exe = PEERS_VENV / "bin" / "smg"
+    stamp = PEERS_VENV / ".installed"
+    PEERS_VENV.mkdir(exist_ok=True)
+    (PEERS_VENV / ".gitignore").write_text("*\n")  # a scratch environment, never committed
+    with (PEERS_VENV / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two benchmarks starting at once install it once
+        if exe.exists() and stamp.exists() and stamp.read_text().strip() == SMG_SPEC:
+            return exe
+        if progress:
+            print(f"installing {SMG_SPEC} into {PEERS_VENV} (once: the peer benchmarks' own environment, not a "
+                  "dependency of rackflow)...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        python = PEERS_VENV / "bin" / "python"
+        # the advisory floors hold here as in .venv (the Makefile installs with them): no dependency below them
+        floors = ["-c", str(FLOORS)] if FLOORS.exists() else []
+        steps = [[sys.executable, "-m", "venv", str(PEERS_VENV)],
+                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *floors, SMG_SPEC]]
+        for argv in steps:
+            try:
+                done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+                                      timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as e:
+                raise PeerUnavailable(f"could not install {SMG_SPEC} into {PEERS_VENV}: `{' '.join(argv)}` did not "
+                                      f"finish within {timeout_s:.0f}s") from e
+            if done.returncode != 0:
+                out = (done.stdout + done.stderr).strip().splitlines()[-20:]
+                raise PeerUnavailable(f"could not install {SMG_SPEC} into {PEERS_VENV}: `{' '.join(argv)}` exited "
+                                      f"with {done.returncode}:\n" + "\n".join(out))
+        if not exe.exists():
+            raise PeerUnavailable(f"{SMG_SPEC} installed into {PEERS_VENV}, but {exe} is missing")
+        stamp.write_text(SMG_SPEC + "\n")
+        if progress:
+            print(f"installed {SMG_SPEC} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        return exe
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system, all threads) that process `pid` has used so far; 0.0 when it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
+def _cpu_by_role(roles: dict[str, Sequence[_HttpProcess]]) -> dict[str, float]:
+    """CPU seconds used so far by this process (the load generator: `client`) and by each role's processes."""
+    return {"client": time.process_time(), **{r: sum(_cpu_s(p.pid) for p in ps) for r, ps in roles.items()}}
+
+
+def _run_summary(outcomes: list[Outcome], window_s: float, cpu_s: dict[str, float]) -> dict[str, Any]:
+    """`summarize`, plus the time to the first text chunk of the streamed answers and the CPU time per completed
+    request of each role."""
+    out = summarize(outcomes, window_s)
+    out["cpu_us_per_request"] = {r: round(c * 1e6 / out["completed"]) if out["completed"] else None
+                                 for r, c in cpu_s.items()}
+    ttft = [o.ttft_s * 1000 for o in outcomes if o.ok and o.ttft_s is not None]
+    out["ttft_p50_ms"] = round(percentile(ttft, 50), 2) if ttft else None
+    out["ttft_p99_ms"] = round(percentile(ttft, 99), 2) if ttft else None
+    out["first_error"] = next((o.error or f"HTTP {o.status}" for o in outcomes if not o.ok and not o.shed), None)
+    return out
+
+
+def _measure(url: str, roles: dict[str, Sequence[_HttpProcess]], clients: int, duration_s: float, repeats: int,
+             max_tokens: int, stream_every: int, desc: str, progress: bool) -> list[dict[str, Any]]:
+    """Run 0 warms up (connections, caches) and is not counted; then `repeats` measured closed-loop runs, each
+    with the CPU time that the load generator and each role's processes spent on it."""
+    runs: list[dict[str, Any]] = []
+    bar = tqdm(total=round((repeats + 1) * duration_s), desc=desc, unit="s", disable=not progress,
+               file=sys.stderr)
+    try:
+        for k in range(repeats + 1):
+            done = [0]
+
+            def tick(_o: Outcome, done: list[int] = done) -> None:
+                done[0] += 1
+
+            async def measured(done: list[int] = done, k: int = k) -> list[Outcome]:
+                task = asyncio.create_task(closed_loop(url, clients, duration_s, max_tokens, stream_every, tick))
+                shown = 0
+                while not task.done():
+                    await asyncio.sleep(1.0)
+                    if shown < duration_s:
+                        bar.update(1)
+                        shown += 1
+                        bar.set_postfix_str(f"run {k}/{repeats} {done[0] / shown:.0f} req/s")
+                bar.update(max(0, round(duration_s) - shown))
+                return await task
+
+            t0, cpu0 = time.monotonic(), _cpu_by_role(roles)
+            outcomes = run_async(measured())
+            cpu = {r: c - cpu0[r] for r, c in _cpu_by_role(roles).items()}
+            window = max(duration_s, max((o.start + o.latency_s for o in outcomes), default=t0) - t0)
+            if k > 0:
+                runs.append(_run_summary(outcomes, window, cpu))
+    finally:
+        bar.close()
+    return runs
+
+
+def _result(name: str, runs: list[dict[str, Any]], clients: int, duration_s: float, repeats: int,
+            max_tokens: int, stream_every: int, **setup: Any) -> dict[str, Any]:
+    def med_of(values: list[float | None]) -> float | None:
+        vals = [v for v in values if v is not None]
+        return round(statistics.median(vals), 2) if vals else None
+
+    def med(key: str) -> float | None:
+        return med_of([r[key] for r in runs])
+
+    return {
+        "name": name,
+        "rps": med("rps"),
+        "p50_ms": med("p50_ms"),
+        "p99_ms": med("p99_ms"),
+        "added_ttft_p50_ms": med("ttft_p50_ms"),
+        "added_ttft_p99_ms": med("ttft_p99_ms"),
+        "errors": sum(r["errors"] for r in runs),
+        "first_error": next((r["first_error"] for r in runs if r["first_error"]), None),
+        "shed": sum(r["shed"] for r in runs),
+        "requests": sum(r["requests"] for r in runs),
+        "streamed": sum(r["streamed"] for r in runs),
+        "rps_runs": [r["rps"] for r in runs],
+        "p99_runs_ms": [r["p99_ms"] for r in runs],
+        "cpu_us_per_request": {role: med_of([r["cpu_us_per_request"][role] for r in runs])
+                               for role in (runs[0]["cpu_us_per_request"] if runs else {})},
+        "clients": clients,
+        "duration_s": duration_s,
+        "repeats": repeats,
+        "max_tokens": max_tokens,
+        "stream_share": round(1 / stream_every, 3) if stream_every else 0.0,
+        **setup,
+    }
+
+
+def bench_peer(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max_tokens: int = 8,
+               stream_every: int = 5, progress: bool = True, http: Parser = "h11",
+               policy: str = "round_robin") -> dict[str, Any]:
+    """SMG in front of 2 zero-time shim engines (uvicorn with the `http` parser), under `closed_loop`. When
+    httptools is asked for and not installed, the result says so (`unavailable`) instead of failing."""
+    name = f"smg {SMG_VERSION}"
+    if http == "httptools" and not httptools_installed():
+        return {"name": name, "http": http, "unavailable": _NO_HTTPTOOLS}
+    smg = ensure_smg(progress)
+    with tempfile.TemporaryDirectory(prefix="rackflow-peer-") as tmp:
+        shims = [ShimProcess(f"shim{i}", Path(tmp), http) for i in range(2)]
+        with _running(shims):
+            gateway = SmgProcess(smg, [s.url for s in shims], Path(tmp), policy)  # the ports the shims bound
+            with _running([gateway]):
+                runs = _measure(gateway.url, {"smg": [gateway], "shims": shims}, clients, duration_s, repeats,
+                                max_tokens, stream_every, f"bench {name}", progress)
+                _check_alive([*shims, gateway])
+    return _result(name, runs, clients, duration_s, repeats, max_tokens, stream_every, http=http,
+                   setup=f"smg launch --policy {policy} -> 2 zero-time shims (FastAPI on uvicorn, {http})")
+
+
+def bench_bare(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max_tokens: int = 8,
+               stream_every: int = 5, progress: bool = True, http: Parser = "h11") -> dict[str, Any]:
+    """One zero-time shim, no gateway: the ceiling of FastAPI on uvicorn (parser `http`) on this machine. When
+    httptools is asked for and not installed, the result says so (`unavailable`) instead of failing."""
+    name = f"bare FastAPI (uvicorn, {http})"
+    if http == "httptools" and not httptools_installed():
+        return {"name": name, "http": http, "unavailable": _NO_HTTPTOOLS}
+    with tempfile.TemporaryDirectory(prefix="rackflow-peer-") as tmp:
+        shim = ShimProcess("shim", Path(tmp), http)
+        with _running([shim]):
+            runs = _measure(shim.url, {"shim": [shim]}, clients, duration_s, repeats, max_tokens, stream_every,
+                            f"bench {name}", progress)
+            _check_alive([shim])
+    return _result(name, runs, clients, duration_s, repeats, max_tokens, stream_every, http=http,
+                   setup=f"1 zero-time shim (FastAPI on uvicorn, {http}), no gateway")
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workers.bench.peer", description="peers for `rackflow bench gateway`")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("shim", help="run one zero-time OpenAI-compatible engine shim")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default=LOOPBACK)
+    s.add_argument("--http", choices=PARSERS, default="h11", help="uvicorn's HTTP/1.1 parser")
+    b = sub.add_parser("bench", help="measure peers and print their figures as JSON")
+    b.add_argument("--peer", choices=["smg", "bare"], action="append",
+                   help="what to measure (repeatable; default: smg and bare)")
+    b.add_argument("--http", choices=PARSERS, action="append",
+                   help="the shims' parser (repeatable; default: both, httptools reported unavailable where it is "
+                        "not installed)")
+    b.add_argument("--clients", type=int, default=32)
+    b.add_argument("--duration", type=float, default=8.0, help="seconds per run")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--max-tokens", type=int, default=8)
+    b.add_argument("--stream-every", type=int, default=5, help="every k-th request is streamed (0: none)")
+    b.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "shim":
+            serve_shim(args.port, args.http, args.host)
+            return 0
+        results = []
+        for peer in args.peer or ["smg", "bare"]:
+            for http in args.http or list(PARSERS):
+                kw: dict[str, Any] = {"clients": args.clients, "duration_s": args.duration, "repeats": args.repeats,
+                                      "max_tokens": args.max_tokens, "stream_every": args.stream_every,
+                                      "progress": not args.no_progress, "http": http}
+                results.append(bench_bare(**kw) if peer == "bare" else bench_peer(**kw))
+        print(json.dumps(results, indent=2))
+        return 0
+    except (PeerUnavailable, ServiceError) as e:
+        print(f"{ap.prog}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m workers.bench.peer shim|bench`
+    sys.exit(main())
