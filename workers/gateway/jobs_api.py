@@ -84,7 +84,7 @@ class JobsApi:
         raw = await self.api.read_body(request)
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested deeper than the parser goes
             raise self._error(400, "request body is not valid JSON", "invalid_json") from None
         try:
             if isinstance(body, dict) and "requests" in body:
