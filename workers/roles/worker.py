@@ -316,7 +316,8 @@ class Worker:
         spec = self.config.models.get(req.model)
         if spec is None:
             return f"model {req.model!r} is not configured"
-        if req.in_tokens < 0 or req.in_tokens + req.max_tokens > spec.context:
+        if (req.in_tokens < 0 or req.max_tokens < 0 or req.in_tokens > spec.context
+                or req.in_tokens + req.max_tokens > spec.context):  # a negative max_tokens must not offset the prompt
             return (f"in_tokens {req.in_tokens} + max_tokens {req.max_tokens} do not fit the context of "
                     f"{req.model} ({spec.context} tokens)")
         budget_kb = self.config.node_kv_capacity_kb(self.node)

@@ -63,6 +63,8 @@ DLQ_ENTRIES = Counter("rackflow_dlq_entries_total", "Entries this process sent t
                       ["stream", "group"], registry=REGISTRY)
 
 # -- node selection and health -------------------------------------------------------------------------------------
+REPLY_COPY_ERRORS = Counter("rackflow_reply_copy_errors_total", "Gateway reply-stream copies that failed (the "
+                            "request's own stream has the entry; the gateway catches up from it)", registry=REGISTRY)
 NODE_WEIGHT = Gauge("rackflow_node_weight", "The weighted policy's live node weight W (batcher's view, own "
                     "reservations applied)", ["rack", "node"], registry=REGISTRY)
 NODE_WEIGHT_SHARE = Gauge("rackflow_node_weight_share", "W of the node over the sum of W in its rack (the weighted "

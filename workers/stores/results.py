@@ -28,11 +28,30 @@ from workers.shell.runtime import WALL
 log = logging.getLogger(__name__)
 
 
-def _reply(pipe: object, ev: TokenEvent | ResultEvent, fields: dict[bytes, bytes]) -> None:
-    """Queue the copy of `ev` for its gateway's reply stream on `pipe` (nothing without a valid `reply_to`)."""
+def _reply(pipe: object, ev: TokenEvent | ResultEvent, fields: dict[bytes, bytes], at: set[int]) -> None:
+    """Queue the copy of `ev` for its gateway's reply stream on `pipe` (nothing without a valid `reply_to`), and
+    note its position in `at`: a copy that fails must not fail the write (see `_execute`)."""
     if ev.reply_to and keys.is_gateway_replies(ev.reply_to):
+        at.add(len(pipe))  # type: ignore[arg-type]
         pipe.xadd(ev.reply_to, fields, maxlen=keys.GATEWAY_REPLIES_MAXLEN, approximate=True,  # type: ignore[attr-defined]
                   nomkstream=True)
+
+
+async def _execute(pipe: object, replies: set[int]) -> list[object]:
+    """Run `pipe`; an error at a reply copy's position is logged and counted, not raised: `reply_to` comes from the
+    stream, and a key of that name holding another type (WRONGTYPE) must not stop a worker or a router. The
+    per-request stream is the durable copy, and the gateway catches up from it. Any other error is raised."""
+    if not replies:
+        return await pipe.execute()  # type: ignore[attr-defined,no-any-return]
+    out: list[object] = await pipe.execute(raise_on_error=False)  # type: ignore[attr-defined]
+    for i, x in enumerate(out):
+        if isinstance(x, Exception):
+            if i not in replies:
+                raise x
+            log.warning("a gateway reply copy failed (the request's own stream has it): %s", x)
+            metrics.REPLY_COPY_ERRORS.inc()
+            out[i] = None
+    return out
 
 
 _EWMA_LUA = """
@@ -133,10 +152,11 @@ class ResultWriter:
         # client would otherwise wait forever. A client stops at the first result entry, so a repeat is harmless.
         out = keys.request_out(result.request_id)
         pipe = self.r.pipeline(transaction=False)
+        rep: set[int] = set()
         pipe.xadd(out, f)  # type: ignore[arg-type]
         pipe.expire(out, self.out_ttl_s)
-        _reply(pipe, result, f)
-        await pipe.execute()
+        _reply(pipe, result, f, rep)
+        await _execute(pipe, rep)
         metrics.observe_results([result], [bool(written)])
         return bool(written)
 
@@ -150,6 +170,7 @@ class ResultWriter:
             return await self._write_many_single(results, tokens)
         minid = minid_for(self.now_ms(), self.retention_ms)
         pipe = self.r.pipeline(transaction=False)
+        rep: set[int] = set()
         expiring: set[str] = set()
         n_replies = 0
         for ev in tokens:
@@ -160,7 +181,7 @@ class ResultWriter:
                 pipe.expire(out, self.out_ttl_s)
                 expiring.add(ev.request_id)
             if ev.reply_to and keys.is_gateway_replies(ev.reply_to):
-                _reply(pipe, ev, tf)
+                _reply(pipe, ev, tf, rep)
                 n_replies += 1
         encoded = [codec.encode(r) for r in results]
         for r, f in zip(results, encoded, strict=True):
@@ -168,9 +189,10 @@ class ResultWriter:
             # body, routed by its keys' slot ({rf:results}).
             pipe.execute_command("EVAL", _FINAL_LUA, 2, keys.result_done(r.request_id), keys.RESULTS,
                                  r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"])
-        replies = await pipe.execute()
+        replies = await _execute(pipe, rep)
         written = [bool(x) for x in replies[len(tokens) + len(expiring) + n_replies:]]
         pipe = self.r.pipeline(transaction=False)
+        rep = set()
         for r, f, w in zip(results, encoded, written, strict=True):
             if w and r.status == "ok":
                 pipe.execute_command("EVAL", _EWMA_LUA, 1, keys.user_out_ewma(r.tenant, r.user_id),
@@ -180,9 +202,9 @@ class ResultWriter:
             out = keys.request_out(r.request_id)
             pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)  # also covers a result whose stream had no token chunk
-            _reply(pipe, r, f)
+            _reply(pipe, r, f, rep)
         if results:
-            await pipe.execute()
+            await _execute(pipe, rep)
         metrics.observe_results(results, written)
         return written
 
@@ -191,9 +213,10 @@ class ResultWriter:
         finishing = {r.request_id for r in results}
         last_chunk = {t.request_id: t for t in tokens if t.request_id in finishing}
         pipe = self.r.pipeline(transaction=False)
+        rep: set[int] = set()
         for ev in tokens:
             f = codec.encode(ev)
-            _reply(pipe, ev, f)  # the gateway's copy: every chunk, before any result
+            _reply(pipe, ev, f, rep)  # the gateway's copy: every chunk, before any result
             if ev.request_id in finishing:
                 continue  # goes out inside the finish script, right before the result
             out = keys.request_out(ev.request_id)
@@ -217,8 +240,8 @@ class ResultWriter:
                 client=pipe,
             )
         for r, f in zip(results, encoded, strict=True):
-            _reply(pipe, r, f)
-        replies = await pipe.execute()
+            _reply(pipe, r, f, rep)
+        replies = await _execute(pipe, rep)
         written = [bool(x) for x in replies[n_before:n_before + len(results)]]
         metrics.observe_results(results, written)
         for r, w in zip(results, written, strict=True):
@@ -253,13 +276,14 @@ class ResultWriter:
         if not events:
             return
         pipe = self.r.pipeline(transaction=False)
+        rep: set[int] = set()
         for ev in events:
             out = keys.request_out(ev.request_id)
             f = codec.encode(ev)
             pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)
-            _reply(pipe, ev, f)
-        await pipe.execute()
+            _reply(pipe, ev, f, rep)
+        await _execute(pipe, rep)
 
 
 def error_result(req: RequestEvent, message: str, node: str = "", rack: str = "") -> ResultEvent:
