@@ -84,7 +84,9 @@ test-cluster: $(STAMP)
 	$(PY) -m pytest -q -m cluster tests/cluster
 
 # fuzzing, durable restart (short and long outage), sustained overload, access control; `make test` runs all of
-# these but the `long` ones
+# these but the `long` ones. Here the `long` ones run too (`-m hardening` selects every test of tests/hardening):
+# the fuzzers at volume, >= 100,000 stream inputs into the consumers and >= 10,000 API requests (minutes; their
+# counts are printed with -s and written to .rackflow/hardening/fuzz_counts.json)
 test-hardening: $(STAMP)
 	$(PY) -m pytest -q -m hardening tests/hardening
 
