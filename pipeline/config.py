@@ -573,6 +573,12 @@ class GatewayConfig(_Strict):
     """A gateway's reply stream expires this long after the gateway stopped refreshing it (a crashed gateway)."""
     shutdown_grace_s: int = Field(default=10, ge=0, le=3600)
     """On SIGTERM, open streams get this long to finish."""
+    http_parser: Literal["httptools", "h11"] = "httptools"
+    """uvicorn's HTTP/1.1 parser: `httptools` (C, llhttp; a dependency) or `h11` (pure Python). Measured side by
+    side with `rackflow bench gateway --http-parser h11|httptools` (README, Benchmarks)."""
+    backlog: int = Field(default=16384, ge=64, le=1_000_000)
+    """The listening socket's accept queue (uvicorn's default is 2048; the kernel caps it at net.core.somaxconn):
+    thousands of clients connecting at once must wait in it rather than be reset."""
     keep_alive_s: int = Field(default=75, ge=1, le=3600)
     """How long an idle HTTP keep-alive connection stays open. Keep it LONGER than the idle timeout of whatever
     holds connections to the gateway (load balancer: AWS ALB 60 s; HTTP client pools: httpx 5 s): when both sides

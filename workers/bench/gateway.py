@@ -11,7 +11,13 @@ Reported, as medians over repeats:
   end-to-end HTTP latency a client sees (request sent -> full answer, or -> `[DONE]` for a stream) is all control
   plane: HTTP + gateway admission + router + batcher window + worker loop + result/token streams back;
 - `errors`: non-2xx answers other than 429, transport errors, wrong answers and SSE error events (must be 0);
-- `shed`: 429 answers (load shed, reported apart from errors).
+- `shed`: 429 answers (load shed, reported apart from errors);
+- `cpu_us_per_request`: CPU time (user + system) each role process spent per completed request over the measured
+  runs, from /proc/<pid>/stat (gateway, router, batcher, workers) and Valkey's own `INFO cpu`; the load generator
+  is apart. A profile of one role names its hot functions: `py-spy record -p <pid>` (README, Benchmarks).
+`--http-parser h11|httptools` picks uvicorn's parser for the gateway (default: the config's, httptools).
+`--window-hold` runs the batcher with `close_when_room` off (the window holds a request a node could start now until
+it closes on its budget or its `window_ms`), to measure what closing on room buys.
 The load generator shares the 2 cores with the 5 processes it measures, so the figures are a floor for the
 control plane, not its ceiling.
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -258,20 +265,63 @@ async def wait_http_ready(url: str, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.2)
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (Linux /proc; None where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14 and 15 of stat)
+
+
+async def valkey_cpu_s(redis_url: str) -> float | None:
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        info = await r.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    except Exception:  # a server that does not say: no figure
+        return None
+    finally:
+        await r.aclose()
+
+
+def cpu_snapshot(procs: ClusterProcesses, redis_url: str) -> dict[str, float]:
+    """CPU seconds so far per role (processes of one role summed: both workers are `worker`), and Valkey's."""
+    out: dict[str, float] = {}
+    for p in procs.procs:
+        cpu = process_cpu_s(p.proc.pid)
+        if cpu is not None:
+            out[p.role] = out.get(p.role, 0.0) + cpu
+    v = run_async(valkey_cpu_s(redis_url))
+    if v is not None:
+        out["valkey"] = v
+    return out
+
+
 def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: float = 12.0, repeats: int = 3,
-                  max_tokens: int = 8, stream_every: int = 5, progress: bool = True) -> dict[str, Any]:
+                  max_tokens: int = 8, stream_every: int = 5, progress: bool = True,
+                  window_hold: bool = False, http_parser: str | None = None) -> dict[str, Any]:
     from workers.local.supervise import free_port
 
     runs: list[dict[str, Any]] = []
     hop_ms: dict[str, list[float]] = {h: [] for h, _ in HOPS}
     ttft_ms: list[float] = []
+    cpu_s: dict[str, float] = {}
     wall_offset = time.time() - time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rackflow-bench-") as tmp:
         override = {
             "cluster": {"racks": [{"name": "r0", "node_count": 2,
                                    "node": {"gpu": "h100-80gb", "tp": 1, "models": [MODEL]}}]},
-            "policies": {"worker": {"zero_time": True, "token_flush_ms": 50}},
+            "policies": {"worker": {"zero_time": True, "token_flush_ms": 50},
+                         "batcher": {"close_when_room": not window_hold}},
         }
+        if http_parser is not None:
+            override["gateway"] = {"http_parser": http_parser}
         path = Path(tmp) / "bench.yaml"
         config = config_overlay_file(path, override)
         port = free_port()
@@ -303,10 +353,14 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
                     return await task
 
                 t0 = time.monotonic()
+                cpu0 = cpu_snapshot(procs, redis_url)
                 outcomes = run_async(measured())
+                cpu1 = cpu_snapshot(procs, redis_url)
                 window = max(duration_s, max((o.start + o.latency_s for o in outcomes), default=t0) - t0)
                 if k > 0:
                     runs.append(summarize(outcomes, window))
+                    for role, v in cpu1.items():
+                        cpu_s[role] = cpu_s.get(role, 0.0) + v - cpu0.get(role, v)
                     for name, v in run_async(hop_times(redis_url, outcomes, wall_offset)).items():
                         hop_ms[name] += v
                     ttft_ms += [o.ttft_s * 1000 for o in outcomes if o.ok and o.stream and o.ttft_s is not None]
@@ -321,6 +375,10 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
         vals = [r[key] for r in runs if r[key] is not None]
         return round(statistics.median(vals), 2) if vals else None
 
+    completed = sum(r["requests"] - r["errors"] - r["shed"] for r in runs)
+    cpu_us = {role: round(v / completed * 1e6, 1) for role, v in sorted(cpu_s.items())} if completed else {}
+    if cpu_us:
+        cpu_us["control_plane"] = round(sum(v for k, v in cpu_us.items()), 1)
     return {
         "rps": med("rps"),
         "p50_ms": med("p50_ms"),
@@ -329,6 +387,9 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
         "added_ttft_p50_ms": round(percentile(ttft_ms, 50), 2) if ttft_ms else None,
         "added_ttft_p99_ms": round(percentile(ttft_ms, 99), 2) if ttft_ms else None,
         "hops": hop_summary(hop_ms),
+        "cpu_us_per_request": cpu_us,
+        "window": {"close_when_room": not window_hold},
+        "http_parser": config.gateway.http_parser,
         "errors": sum(r["errors"] for r in runs),
         "shed": sum(r["shed"] for r in runs),
         "requests": sum(r["requests"] for r in runs),

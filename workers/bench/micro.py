@@ -254,13 +254,15 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
 
                 res = bench_gateway(endpoints[0], endpoints[1], clients=getattr(args, "clients", 32),
                                     duration_s=getattr(args, "duration_s", 12.0), repeats=args.repeats,
-                                    progress=not args.no_progress)
+                                    progress=not args.no_progress, window_hold=getattr(args, "window_hold", False),
+                                    http_parser=getattr(args, "http_parser", None))
                 if getattr(args, "peer", None) == "smg":
                     from workers.bench.peer import bench_bare, bench_peer
 
                     # the same load generator, clients, durations and repeats, one after the other in this run
                     same = {"clients": res["clients"], "duration_s": res["duration_s"], "repeats": res["repeats"],
-                            "max_tokens": res["max_tokens"], "progress": not args.no_progress}
+                            "max_tokens": res["max_tokens"], "progress": not args.no_progress,
+                            "http": res["http_parser"]}  # the shims parse HTTP as the gateway does
                     res["peer"] = bench_peer(**same)
                     res["bare"] = bench_bare(**same)
             elif args.what == "streams-capacity":

@@ -8,7 +8,7 @@ read to `[DONE]`), with the same warm-up run and the same medians over repeats a
   the `peers` extra, installed into `.venv-peers` on first use) in front of 2 zero-time engines, each a thin
   OpenAI-compatible shim process (below);
 - `bench_bare`: one shim, no gateway in front: the ceiling of the HTTP stack (FastAPI on uvicorn) on this machine,
-  with uvicorn's `h11` parser (what runs here: httptools is not a dependency) or `httptools` (what it would buy).
+  with uvicorn's `httptools` parser (what the gateway runs by default, `gateway.http_parser`) or `h11`.
 
 The shim (`python -m workers.bench.peer shim --port N [--http h11|httptools]`) is the zero-time engine: FastAPI on
 uvicorn answering POST /v1/completions at once, `max_tokens` tokens, as one JSON body or as one SSE chunk per token,
@@ -128,7 +128,7 @@ def shim_app() -> FastAPI:
     return app
 
 
-def serve_shim(port: int, http: Parser = "h11", host: str = LOOPBACK) -> None:
+def serve_shim(port: int, http: Parser = "httptools", host: str = LOOPBACK) -> None:
     """Run the shim until SIGTERM/SIGINT (uvicorn on uvloop, as the gateway runs)."""
     if http == "httptools" and not httptools_installed():
         raise PeerUnavailable(_NO_HTTPTOOLS)
@@ -174,7 +174,7 @@ class _HttpProcess(_ServerProcess):
 class ShimProcess(_HttpProcess):
     """`python -m workers.bench.peer shim`, healthy once GET /health answers."""
 
-    def __init__(self, name: str, data_dir: Path, http: Parser = "h11") -> None:
+    def __init__(self, name: str, data_dir: Path, http: Parser = "httptools") -> None:
         super().__init__(name, data_dir)
         self.http = http
 
@@ -403,7 +403,7 @@ def _result(name: str, runs: list[dict[str, Any]], clients: int, duration_s: flo
 
 
 def bench_peer(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max_tokens: int = 8,
-               stream_every: int = 5, progress: bool = True, http: Parser = "h11",
+               stream_every: int = 5, progress: bool = True, http: Parser = "httptools",
                policy: str = "round_robin") -> dict[str, Any]:
     """SMG in front of 2 zero-time shim engines (uvicorn with the `http` parser), under `closed_loop`. When
     httptools is asked for and not installed, the result says so (`unavailable`) instead of failing."""
@@ -424,7 +424,7 @@ def bench_peer(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max
 
 
 def bench_bare(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max_tokens: int = 8,
-               stream_every: int = 5, progress: bool = True, http: Parser = "h11") -> dict[str, Any]:
+               stream_every: int = 5, progress: bool = True, http: Parser = "httptools") -> dict[str, Any]:
     """One zero-time shim, no gateway: the ceiling of FastAPI on uvicorn (parser `http`) on this machine. When
     httptools is asked for and not installed, the result says so (`unavailable`) instead of failing."""
     name = f"bare FastAPI (uvicorn, {http})"
@@ -448,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = sub.add_parser("shim", help="run one zero-time OpenAI-compatible engine shim")
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--host", default=LOOPBACK)
-    s.add_argument("--http", choices=PARSERS, default="h11", help="uvicorn's HTTP/1.1 parser")
+    s.add_argument("--http", choices=PARSERS, default="httptools", help="uvicorn's HTTP/1.1 parser")
     b = sub.add_parser("bench", help="measure peers and print their figures as JSON")
     b.add_argument("--peer", choices=["smg", "bare"], action="append",
                    help="what to measure (repeatable; default: smg and bare)")

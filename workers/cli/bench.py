@@ -72,6 +72,11 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--peer", choices=["smg"], default=None,
                    help="gateway: also run this peer gateway (SMG, a Rust gateway, installed on first use into "
                         ".venv-peers) and the bare HTTP endpoint, in the same run with the same load generator")
+    s.add_argument("--http-parser", choices=["httptools", "h11"], default=None,
+                   help="gateway: uvicorn's HTTP parser for the gateway (default: gateway.http_parser, httptools)")
+    s.add_argument("--window-hold", action="store_true",
+                   help="gateway: run the batcher with close_when_room off (the window holds requests a node could "
+                        "start now until it closes), to measure what closing on room buys")
     s.add_argument("--streams", type=int, default=10_000, help="streams-capacity: concurrent streaming requests")
     s.add_argument("--stream-tokens", type=int, default=32, help="streams-capacity: max_tokens of each stream")
     s.add_argument("--minutes", type=float, default=20.0, help="soak: minutes of load at 80%% of capacity, a random "

@@ -630,6 +630,8 @@ def serve(
         lifespan="on",
         server_header=False,
         timeout_keep_alive=config.gateway.keep_alive_s,
+        http=config.gateway.http_parser,
+        backlog=config.gateway.backlog,
         # open streams get this long to finish (their results stay readable at /v1/results/{id})
         timeout_graceful_shutdown=config.gateway.shutdown_grace_s,
     )
