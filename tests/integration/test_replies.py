@@ -144,6 +144,30 @@ async def _test_a_result_that_missed_the_reply_stream_is_found_by_the_sweep(r: a
     assert mux.stats.swept_missed == 1
 
 
+def test_a_reader_behind_a_burst_makes_no_false_catch_up(clean_services: ServiceEndpoints) -> None:
+    _run(clean_services, _test_a_reader_behind_a_burst_makes_no_false_catch_up)
+
+
+async def _test_a_reader_behind_a_burst_makes_no_false_catch_up(r: aioredis.Redis) -> None:
+    """A result marker written before the reader reaches its entry (a burst: the reader's last read was full) is
+    not a missed result, however many sweeps see it; once the reader is caught up, it takes two sweeps in a row
+    to call it missed. The sweeps are driven by hand (no sweep loop), so no timing decides the outcome."""
+    mux = ReplyMux(r, sweep_ms=3_600_000)
+    mux.subscribe(q_id := str(uuid.uuid4()))
+    await r.set(keys.result_done(q_id), b"1", ex=60)
+    w = mux._waiters[q_id]
+    mux._behind = True
+    for _ in range(3):
+        await mux._sweep()
+    assert not w.lagging and mux.stats.swept_missed == 0
+    mux._behind = False
+    await mux._sweep()
+    assert not w.lagging and w.marked, "one sweep marks it, it does not call it missed"
+    mux._dispatch({})  # an entry without an event changes nothing
+    await mux._sweep()
+    assert w.lagging and mux.stats.swept_missed == 1
+
+
 def test_a_reply_to_that_is_not_a_gateway_stream_is_never_written(clean_services: ServiceEndpoints) -> None:
     _run(clean_services, _test_a_reply_to_that_is_not_a_gateway_stream_is_never_written)
 

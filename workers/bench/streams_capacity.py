@@ -2,11 +2,18 @@
 many Valkey connections.
 
 A local cluster (1 rack x 2 nodes, `sim` engines with their real iteration times, router, batcher, one HTTP
-gateway) takes `--streams` streaming completions opened by clients at once (ramped over a few seconds, so that the
-kernel's accept queue is not the bound). Every stream is read to `[DONE]` and checked: the token chunks count up to
-`max_tokens`, no SSE error event. While it runs, every 100 ms: the gateway process's TCP connections to Valkey
-(its sockets in /proc, matched to the established connections to Valkey's port: every connection, pooled or not),
-its open requests (its reply-stream gauge) and its resident memory.
+gateway) takes `--streams` streaming completions, all open at once:
+1. The router is paused (SIGSTOP: a real router process that routes nothing for a while), so that no stream can
+   finish before the last one is open: every admitted request waits in `rf:ingress`, its SSE response open.
+2. Clients open the streams as fast as the gateway admits them: at most `max_connecting` connections wait for their
+   answer's status line at any time (a client that has it frees its slot), so the load generator never overflows
+   the kernel's accept queue (its overflow resets connections: that measures the kernel, not the gateway).
+3. Once every stream is admitted (or failed), the router resumes (SIGCONT), and every stream is read to `[DONE]`
+   and checked: the token chunks count up to `max_tokens`, no SSE error event.
+While it runs, every 250 ms: the gateway process's TCP connections to Valkey (its sockets in /proc, matched to the
+established connections to Valkey's port: every connection, pooled or not), its open requests (its reply-stream
+gauge) and its resident memory. `open_max` is the most streams the gateway held open at once by its own gauge,
+`held_max` the most the clients held admitted and unfinished at once.
 
 The admission bounds are lifted for the run (`max_rack_queue`, `max_queue_s`, `max_ingress_backlog`): the benchmark
 measures holding streams, not shedding them (the overload tests measure shedding).
@@ -68,14 +75,22 @@ class _Run:
     rss_max_kb: int = 0
     rss_start_kb: int = 0
     samples: int = 0
+    held: int = 0
+    held_max: int = 0
+    admitted: int = 0
+    """Streams whose answer's status line came (200 or not)."""
 
 
-async def _one(host: str, port: int, i: int, max_tokens: int, run: _Run, timeout_s: float) -> None:
+async def _one(host: str, port: int, i: int, max_tokens: int, run: _Run, timeout_s: float,
+               connecting: asyncio.Semaphore) -> None:
     body = json.dumps({"model": MODEL, "prompt": f"stream {i}", "max_tokens": max_tokens, "stream": True,
                        "user": f"u{i % 256}"}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     t0 = time.monotonic()
+    slot = True
+    await connecting.acquire()
+    held = False
     try:
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_connection(host, port)
@@ -83,6 +98,13 @@ async def _one(host: str, port: int, i: int, max_tokens: int, run: _Run, timeout
                 writer.write(head + body)
                 await writer.drain()
                 status = await reader.readline()
+                connecting.release()
+                slot = False
+                run.admitted += 1
+                if b" 200 " in status:
+                    held = True
+                    run.held += 1
+                    run.held_max = max(run.held_max, run.held)
                 if b" 200 " not in status:
                     rest = await reader.read()
                     run.errors.append(f"HTTP {status.decode(errors='replace').strip()}: {rest[-200:]!r}")
@@ -109,6 +131,12 @@ async def _one(host: str, port: int, i: int, max_tokens: int, run: _Run, timeout
     except (OSError, TimeoutError, ValueError) as e:
         run.errors.append(f"{type(e).__name__}: {e}")
         return
+    finally:
+        if slot:
+            connecting.release()
+            run.admitted += 1  # failed before its status line: it no longer waits to be admitted
+        if held:
+            run.held -= 1
     if not done:
         run.errors.append("stream ended without [DONE]")
     elif tokens != max_tokens:
@@ -146,32 +174,51 @@ async def _sample(redis_url: str, gateway_pid: int, metrics_url: str, run: _Run,
                 pass
             run.samples += 1
             try:
-                await asyncio.wait_for(stop.wait(), 0.1)
+                await asyncio.wait_for(stop.wait(), 0.25)
             except TimeoutError:
                 pass
 
 
 async def _drive(host: str, port: int, streams: int, max_tokens: int, ramp_s: float, redis_url: str,
-                 gateway_pid: int, run: _Run, bar: tqdm[Any], timeout_s: float) -> float:
+                 gateway_pid: int, run: _Run, bar: tqdm[Any], timeout_s: float, max_connecting: int,
+                 router_pid: int | None) -> tuple[float, float]:
+    """Open every stream, resume the router (`router_pid`, paused by the caller) once all are admitted, and read
+    them to the end; returns (wall seconds, seconds until the last was admitted)."""
+    import os
+    import signal
+
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample(redis_url, gateway_pid, f"http://{host}:{port}/metrics", run, stop))
+    connecting = asyncio.Semaphore(max_connecting)
     t0 = time.monotonic()
     tasks = []
-    for i in range(streams):
-        await asyncio.sleep(max(0.0, t0 + i * ramp_s / streams - time.monotonic()))
-        task = asyncio.create_task(_one(host, port, i, max_tokens, run, timeout_s))
-        task.add_done_callback(lambda _t: bar.update(1))
-        tasks.append(task)
+    try:
+        for i in range(streams):
+            await asyncio.sleep(max(0.0, t0 + i * ramp_s / streams - time.monotonic()))
+            task = asyncio.create_task(_one(host, port, i, max_tokens, run, timeout_s, connecting))
+            task.add_done_callback(lambda _t: bar.update(1))
+            tasks.append(task)
+        while run.admitted < streams and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        admitted_s = time.monotonic() - t0
+    finally:
+        if router_pid is not None:
+            os.kill(router_pid, signal.SIGCONT)
     await asyncio.gather(*tasks)
     wall = time.monotonic() - t0
     stop.set()
     await sampler
-    return wall
+    return wall, admitted_s
 
 
 def bench_streams_capacity(redis_url: str, etcd_url: str, streams: int = 10_000, max_tokens: int = 32,
-                           ramp_s: float = 5.0, progress: bool = True) -> dict[str, Any]:
+                           ramp_s: float = 0.0, progress: bool = True, max_connecting: int = 256,
+                           hold: bool = True) -> dict[str, Any]:
+    """`hold`: pause the router until every stream is admitted (all open at once); `ramp_s`: open the streams no
+    faster than over this many seconds (0: as fast as the gateway admits them)."""
+    import os
     import resource
+    import signal
 
     from workers.local.supervise import free_port
 
@@ -201,8 +248,13 @@ def bench_streams_capacity(redis_url: str, etcd_url: str, streams: int = 10_000,
             run.rss_start_kb = _rss_kb(gateway.proc.pid)
             bar = tqdm(total=streams, desc="bench streams-capacity", unit="stream", disable=not progress,
                        file=sys.stderr)
-            wall = run_async(_drive("127.0.0.1", port, streams, max_tokens, ramp_s, redis_url, gateway.proc.pid, run,
-                                    bar, timeout_s=config.gateway.request_timeout_s))
+            router = next(p for p in procs.procs if p.role == "router")
+            if hold:
+                os.kill(router.proc.pid, signal.SIGSTOP)
+            wall, admitted_s = run_async(_drive(
+                "127.0.0.1", port, streams, max_tokens, ramp_s, redis_url, gateway.proc.pid, run, bar,
+                timeout_s=config.gateway.request_timeout_s, max_connecting=max_connecting,
+                router_pid=router.proc.pid if hold else None))
             bar.close()
             dead = [p.name for p in procs.dead()]
         finally:
@@ -221,6 +273,11 @@ def bench_streams_capacity(redis_url: str, etcd_url: str, streams: int = 10_000,
         "errors": len(run.errors),
         "error_kinds": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
         "open_max": run.open_max,
+        "held_max": run.held_max,
+        "admitted_per_s": round(streams / admitted_s, 1) if admitted_s > 0 else None,
+        "admitted_s": round(admitted_s, 1),
+        "hold": hold,
+        "max_connecting": max_connecting,
         "redis_connections_max": run.conns_max,
         "gateway_rss_start_mb": round(run.rss_start_kb / 1024, 1),
         "gateway_rss_max_mb": round(run.rss_max_kb / 1024, 1),

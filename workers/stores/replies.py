@@ -14,7 +14,12 @@ The per-request stream stays the durable copy and the fallback: nothing is lost 
 - A sweep (every `gateway.reply_sweep_ms`) reads, in one MGET, the final-result markers of the requests that have
   been quiet since the last sweep: a request whose result was written but never reached the reply stream (a writer
   that predates `reply_to`, a reply stream lost in a Valkey restart without persistence) is caught up from its own
-  stream.
+  stream. A request counts as missed only when two sweeps in a row found its result written while nothing came
+  for it, and never while the reader is behind (its last read was full): under a burst the result marker is set
+  before the reader reaches the result's entry, and catching up thousands of requests at once would only contend
+  for the pool.
+- Catch-ups run at most `CATCH_UP_CONCURRENCY` at a time, and one that cannot get a connection (the pool is busy,
+  Valkey restarts) is retried with backoff until the request's deadline rather than failing the stream.
 - The reply stream expires (`gateway.reply_ttl_s`) unless its gateway refreshes it: a stopped gateway's stream goes
   away, and writers never re-create it (NOMKSTREAM). A crashed gateway loses no accepted request: its results stay
   readable by id (`GET /v1/results/{id}`).
@@ -48,6 +53,8 @@ BLOCK_MS = 1000
 _HELLO = {b"gw": b"1"}
 """The entry that creates the reply stream (it is not an event; the reader skips it)."""
 _BACKOFF = ExponentialBackoff(base=0.05, cap=2.0)
+CATCH_UP_CONCURRENCY = 8
+"""Catch-ups (XRANGE of a request's own stream) in flight at once: the rest wait, so admissions keep the pool."""
 
 Output = TokenEvent | ResultEvent
 
@@ -63,6 +70,8 @@ class _Waiter:
     lagging: bool = False
     """Events were dropped (full queue) or a missed result was found: catch up from the request's own stream."""
     dropped: int = 0
+    marked: bool = False
+    """The last sweep found its result written while nothing came for it (the next one confirms it missed)."""
 
 
 @dataclass
@@ -78,6 +87,8 @@ class ReplyStats:
     swept_missed: int = 0
     """Requests whose result the sweep found written but never delivered on the reply stream."""
     read_errors: int = 0
+    catch_up_retries: int = 0
+    """Catch-ups retried because no connection was to be had at once (a busy pool, a Valkey restart)."""
     reads: int = 0
     queue_max: int = field(default=0)
 
@@ -99,6 +110,9 @@ class ReplyMux:
         self._waiters: dict[str, _Waiter] = {}
         self._last = "0-0"
         self._tasks: list[asyncio.Task[None]] = []
+        self._behind = False
+        """The reader's last read was full: more is waiting on the reply stream (no result counts as missed)."""
+        self._catching = asyncio.Semaphore(CATCH_UP_CONCURRENCY)
         self.ready = False
         """The reply stream exists and its reader runs: requests may name it in `reply_to`."""
 
@@ -156,7 +170,7 @@ class ReplyMux:
                 if w.lagging:
                     w.lagging = False
                     self.stats.catch_ups += 1
-                    for ev in await self._catch_up(request_id, next_index):
+                    for ev in await self._catch_up_until(request_id, next_index, deadline):
                         if isinstance(ev, ResultEvent):
                             yield ev
                             return
@@ -188,6 +202,20 @@ class ReplyMux:
                 yield out
         finally:
             self.unsubscribe(request_id)
+
+    async def _catch_up_until(self, request_id: str, next_index: int, deadline: float) -> list[Output]:
+        """`_catch_up`, at most CATCH_UP_CONCURRENCY at once, retried on a connection failure until `deadline`."""
+        retry = Retrying(_BACKOFF)
+        while True:
+            try:
+                async with self._catching:
+                    return await self._catch_up(request_id, next_index)
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                delay = retry.next_delay()
+                if time.monotonic() + delay >= deadline:
+                    raise
+                self.stats.catch_up_retries += 1
+                await asyncio.sleep(delay)
 
     async def _catch_up(self, request_id: str, next_index: int) -> list[Output]:
         """Everything of the request's own stream from token `next_index` on (its result last, if written)."""
@@ -238,6 +266,7 @@ class ReplyMux:
                 await asyncio.sleep(delay)
                 continue
             self.stats.reads += 1
+            self._behind = sum(len(entries) for _key, entries in resp or []) >= READ_COUNT
             for _key, entries in resp or []:
                 for eid, fields in entries:
                     self._last = eid.decode() if isinstance(eid, bytes) else eid
@@ -259,6 +288,7 @@ class ReplyMux:
             self.stats.unknown += 1
             return
         w.quiet = False
+        w.marked = False
         try:
             w.queue.put_nowait(ev)
         except asyncio.QueueFull:
@@ -312,8 +342,11 @@ class ReplyMux:
         for rid in [rid for rid, w in self._waiters.items() if now - w.created > self.max_open_s]:
             self.unsubscribe(rid)
         quiet = []
+        behind = self._behind
         for rid, w in self._waiters.items():
-            if w.quiet and not w.lagging:
+            if behind:
+                w.marked = False  # what the reader has not reached yet cannot be told from what never came
+            elif w.quiet and not w.lagging:
                 quiet.append(rid)
             w.quiet = True
         for i in range(0, len(quiet), 2000):  # every marker hashes to {rf:results}: one MGET, also on a cluster
@@ -321,10 +354,15 @@ class ReplyMux:
             values = await self.r.mget([keys.result_done(rid) for rid in chunk])
             for rid, v in zip(chunk, values, strict=True):
                 w = self._waiters.get(rid)
-                if v is not None and w is not None and w.quiet:
-                    self.stats.swept_missed += 1
-                    w.lagging = True
-                    _wake(w)
+                if v is None or w is None or not w.quiet or self._behind:
+                    continue
+                if not w.marked:
+                    w.marked = True  # written, nothing came yet: missed if the next sweep finds it so again
+                    continue
+                self.stats.swept_missed += 1
+                w.marked = False
+                w.lagging = True
+                _wake(w)
 
 
 def _wake(w: _Waiter) -> None:
