@@ -498,6 +498,19 @@ class HealthPolicy(_Strict):
     """Step latency this many times the node's baseline is a full latency penalty."""
     interval_ms: int = Field(default=200, ge=10, le=60_000)
     """Health sample interval of the agent."""
+    worker_heartbeat_timeout_ms: int | None = Field(default=None, ge=0, le=600_000)
+    """A worker heartbeats on `rf:health` every `worker.status_interval_ms` (its status event); the monitor takes a
+    node whose heartbeats stop for this long for dead: it revokes the worker's etcd lease (the lease is what owns
+    the node's registration, so ownership is still settled in etcd, now at once instead of at the TTL) and moves
+    its sequences. Time is the stream's own (the entries' ids), so a monitor that falls behind, or a Valkey
+    outage that silences every writer at once, never makes a node look dead. `None` (default): 4 heartbeats
+    (800 ms at 200 ms: three missed beats plus one of slack) while `worker.lease_ttl_s` is at most 3 s; off when
+    the lease was raised above that for a starved host (vLLM's CPU build), whose heartbeats starve with it.
+    0: off (the lease's expiry alone detects a dead worker)."""
+    heartbeat_settle_ms: int = Field(default=3000, ge=0, le=600_000)
+    """After the health stream as a whole was silent (a Valkey outage or restart, every writer stalled at once),
+    no node is judged on its heartbeats until the stream has flowed again this long: the writers' reconnect backoff
+    (up to 2 s) staggers when each one comes back. The worker lease still detects a death meanwhile."""
 
     @model_validator(mode="after")
     def _ordered(self) -> HealthPolicy:
@@ -617,6 +630,22 @@ class Policies(_Strict):
     observability: ObservabilityPolicy = ObservabilityPolicy()
     seed: int = Field(default=20231116, ge=0, le=2**63 - 1)
     """Seed of every random choice (weighted random dispatch); replay reproduces decisions with it."""
+
+    def worker_heartbeat_timeout_ms(self) -> int:
+        """The heartbeat window in force (`health.worker_heartbeat_timeout_ms`, its default resolved); 0: off."""
+        t = self.health.worker_heartbeat_timeout_ms
+        if t is None:
+            return 4 * self.worker.status_interval_ms if self.worker.lease_ttl_s <= 3 else 0
+        return t
+
+    @model_validator(mode="after")
+    def _heartbeat_window(self) -> Policies:
+        t = self.health.worker_heartbeat_timeout_ms
+        if t and t < 2 * self.worker.status_interval_ms:
+            raise ValueError(
+                f"health.worker_heartbeat_timeout_ms ({t}) must be at least twice worker.status_interval_ms "
+                f"({self.worker.status_interval_ms}): a worker would be taken for dead between two heartbeats")
+        return self
 
 
 class RackflowConfig(_Strict):

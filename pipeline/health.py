@@ -101,3 +101,68 @@ class HealthScorer:
     def is_draining(self, node: str) -> bool:
         st = self.nodes.get(node)
         return bool(st and st.draining)
+
+
+@dataclass
+class HeartbeatWatch:
+    """Failure detector of the workers' heartbeats (their status events on `rf:health`), on the stream's own clock.
+
+    Every entry of the stream carries the time the stream server appended it (its id); the newest one seen is
+    "now". A node is silent when `timeout_ms` of that clock went by since its last heartbeat. Judged this way, a
+    monitor that reads late (starved, just elected, catching up on a backlog) sees the heartbeats exactly as late as
+    the clock, and never takes a live node for dead. A jump of the clock larger than `gap_ms` between two entries
+    is a silence of the whole stream (a Valkey outage or restart, every writer stalled at once): nobody is judged
+    until the stream has flowed again for `settle_ms` (the writers come back one by one, each after its own
+    reconnect backoff). A node is judged only once it has been heard: one whose worker never started, or a node
+    just declared dead (`forget`), is silent by nature, and the worker lease decides about it. Pure: it is fed the
+    entries' times and reads no clock.
+    """
+
+    timeout_ms: float
+    settle_ms: float = 3000.0
+    gap_ms: float = 0.0
+    """0: half of `timeout_ms`."""
+    clock_ms: float = 0.0
+    quiet_until_ms: float = 0.0
+    last: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be positive, got {self.timeout_ms}")
+        if self.gap_ms <= 0:
+            self.gap_ms = self.timeout_ms / 2.0
+
+    def observe(self, ts_ms: float, node: str | None = None) -> None:
+        """One entry of the stream, appended at `ts_ms` (its id's time); `node`: it is that node's heartbeat."""
+        if self.clock_ms and ts_ms - self.clock_ms > self.gap_ms:
+            self.quiet_until_ms = ts_ms + self.settle_ms
+        if ts_ms > self.clock_ms:
+            self.clock_ms = ts_ms
+        if node is not None and ts_ms > self.last.get(node, float("-inf")):
+            self.last[node] = ts_ms
+
+    def silent_ms(self, node: str) -> float | None:
+        """How long the node has been silent on the stream's clock (None: not heard since it was last forgotten)."""
+        t = self.last.get(node)
+        return None if t is None else self.clock_ms - t
+
+    def missed(self) -> list[tuple[str, float]]:
+        """(node, silent ms) of every heard node silent longer than the timeout, most silent first; none while the
+        stream settles after a silence of its own."""
+        if self.clock_ms < self.quiet_until_ms:
+            return []
+        out = [(n, self.clock_ms - t) for n, t in self.last.items() if self.clock_ms - t > self.timeout_ms]
+        return sorted(out, key=lambda x: (-x[1], x[0]))
+
+    def fresh(self, node: str) -> bool:
+        """Heard within the timeout (and since it was last forgotten)."""
+        s = self.silent_ms(node)
+        return s is not None and s <= self.timeout_ms
+
+    def forget(self, node: str) -> None:
+        """The node was declared dead: it is judged again only after it is heard again."""
+        self.last.pop(node, None)
+
+    def reset(self, node: str) -> None:
+        """The node is back in service: a full timeout from now before it can be judged silent."""
+        self.last[node] = self.clock_ms

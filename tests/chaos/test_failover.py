@@ -1,7 +1,8 @@
 """Failover under a steady load through the live pipeline (real processes, real Valkey and etcd, sim engines):
-kill -9 a GPU worker mid-generation, inject an Xid fault, kill the router, kill a Celery worker during migrations,
-restart etcd. Every accepted request ends with exactly one final result, its client stream (as the gateway reads
-it) has every token exactly once and in order, and no request ends in an error."""
+kill -9 a GPU worker mid-generation, stall one (SIGSTOP) past its heartbeat window, inject an Xid fault, kill the
+router, kill a Celery worker during migrations, restart etcd. Every accepted request ends with exactly one final
+result, its client stream (as the gateway reads it) has every token exactly once and in order, and no request ends
+in an error. Faults are injected on a state (the victim holds sequences mid-stream), not after a sleep."""
 
 from __future__ import annotations
 
@@ -65,9 +66,25 @@ def cluster(clean_services, config_file, tmp_path) -> Iterator[Cluster]:  # type
     procs.start()
     try:
         asyncio.run(wait_cluster_ready(config, clean_services.redis_url, clean_services.etcd_url, 120))
+        _wait_failover_ready(procs)
         yield Cluster(config, procs, clean_services.redis_url, clean_services.etcd_url, path)
     finally:
         procs.stop()
+
+
+def _wait_failover_ready(procs: ClusterProcesses, timeout_s: float = 120.0) -> None:
+    """Until a monitor leads and the Celery worker takes tasks (wait_cluster_ready covers the request path only: on
+    a loaded machine the Celery worker came up seconds after the workers, and a fault injected before it was handled
+    only after the load had ended)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        logs = {p.role: p.log_path.read_text() for p in procs.procs if p.role in ("monitor", "celery")}
+        if "is the leader" in logs.get("monitor", "") and " ready." in logs.get("celery", ""):
+            return
+        time.sleep(0.1)
+    raise TimeoutError("no monitor leader or no ready Celery worker")
 
 
 def _load(n: int, user_rack: str | None = None, seed: int = 1) -> list[ProfileInput]:
@@ -80,10 +97,12 @@ def _load(n: int, user_rack: str | None = None, seed: int = 1) -> list[ProfileIn
                          prompt_tokens=rng.randint(100, 1500), max_tokens=rng.randint(60, 160)) for _ in range(n)]
 
 
-async def _submit_spread(c: Cluster, items: list[ProfileInput], seconds: float) -> list[str]:
+async def _submit_spread(c: Cluster, items: list[ProfileInput], seconds: float,
+                         ids: list[str] | None = None) -> list[str]:
+    """Submit `items` evenly over `seconds`; their ids are appended to `ids` as they go (a fault waits on them)."""
     r = aioredis.Redis.from_url(c.redis_url)
     gw = Gateway(c.config, r)
-    ids = []
+    ids = [] if ids is None else ids
     try:
         step = seconds / max(1, len(items))
         for it in items:
@@ -150,20 +169,98 @@ def _migrations(c: Cluster) -> int:
     return sum(p.log_path.read_text().count(" resumed at v") for p in c.procs.procs if p.role == "worker")
 
 
+async def _until_mid_stream(c: Cluster, ids: list[str], node: str, at_least: int = 2, timeout_s: float = 60) -> None:
+    """Until `node` holds `at_least` of the submitted requests mid-stream (tokens out, no result yet)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(await _mid_stream_on(c, list(ids), node)) < at_least:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{node} never had {at_least} sequences mid-stream")
+        await asyncio.sleep(0.05)
+
+
+async def _verdicts(c: Cluster, node: str) -> list[tuple[float, str]]:
+    """(ts, verdict) of the monitor's decisions about `node`, oldest first."""
+    from pipeline.events import DecisionEvent
+    from streams import codec, keys
+
+    r = aioredis.Redis.from_url(c.redis_url)
+    try:
+        evs = [codec.decode(f) for _e, f in await r.xrange(keys.DECISIONS)]
+    finally:
+        await r.aclose()
+    return [(e.ts_ms, e.choice.split(":", 1)[1]) for e in evs
+            if isinstance(e, DecisionEvent) and e.kind == "failover" and e.choice.startswith(f"{node}:")]
+
+
 def test_sigkill_worker_mid_generation(cluster: Cluster) -> None:
+    """kill -9 of a worker holding live sequences: its heartbeats stop, the monitor takes it for dead well before
+    its lease would expire (and revokes the lease), and its sequences continue on the other nodes."""
     items = _load(60, "r0")
     ids: list[str] = []
+    killed_ms: list[float] = []
 
     async def run() -> None:
-        task = asyncio.create_task(_submit_spread(cluster, items, 6.0))
-        await asyncio.sleep(3.0)  # sequences are mid-generation on every node of r0
+        task = asyncio.create_task(_submit_spread(cluster, items, 6.0, ids))
+        await _until_mid_stream(cluster, ids, "r0-n0")
         victim = cluster.proc("worker-r0-n0")
+        killed_ms.append(WALL.now_ms())
         os.kill(victim.proc.pid, signal.SIGKILL)
-        ids.extend(await task)
+        await task
 
     asyncio.run(run())
     _check_all(cluster, ids)
     assert _migrations(cluster) > 0, "no sequence was moved off the dead worker"
+    monitor = cluster.proc("monitor").log_path.read_text()
+    assert "node r0-n0 marked dead (no heartbeat for" in monitor, "the death was not seen on the heartbeats"
+    dead = [ts for ts, v in asyncio.run(_verdicts(cluster, "r0-n0")) if v == "dead"]
+    lease_ms = cluster.config.policies.worker.lease_ttl_s * 1000
+    assert dead and dead[0] - killed_ms[0] < lease_ms, \
+        f"marked dead {dead[0] - killed_ms[0]:.0f} ms after the kill, not before the {lease_ms} ms lease"
+
+
+def test_stalled_worker_is_fenced_its_sequences_move_and_it_comes_back(cluster: Cluster) -> None:
+    """SIGSTOP of a worker holding live sequences, past its heartbeat window (but not its lease): the monitor takes
+    it for dead and revokes its lease, its sequences move. Then SIGCONT: the stalled process wakes up still holding
+    them (and writes what it had in flight), finds its lease gone, registers again, and the movers' releases stop
+    its copies (the version rule). Nothing is lost, duplicated or repeated in a client stream, and the node is back
+    in service once its heartbeats flow again."""
+    items = _load(60, "r0", seed=4)
+    ids: list[str] = []
+
+    async def run() -> None:
+        task = asyncio.create_task(_submit_spread(cluster, items, 6.0, ids))
+        await _until_mid_stream(cluster, ids, "r0-n1")
+        victim = cluster.proc("worker-r0-n1")
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:  # stalled until its sequences are resumed elsewhere: the state, not a duration
+            for _ in range(1200):
+                if any(" from r0-n1" in p.log_path.read_text() for p in cluster.procs.procs
+                       if p.role == "worker" and p.name != "worker-r0-n1"):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("no sequence of the stalled r0-n1 was resumed elsewhere")
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        await task
+
+    asyncio.run(run())
+    _check_all(cluster, ids)
+    victim = cluster.proc("worker-r0-n1")  # still alive: the stall did not kill it
+    log = victim.log_path.read_text()
+    assert "registering again" in log, "the stalled worker did not notice its lease was revoked"
+    assert "released to" in log, "the stalled worker's copies were not stopped by the movers' releases"
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if [v for _ts, v in asyncio.run(_verdicts(cluster, "r0-n1"))][-1:] == ["active"]:
+            break
+        time.sleep(0.2)
+    verdicts = [v for _ts, v in asyncio.run(_verdicts(cluster, "r0-n1"))]
+    assert "dead" in verdicts and verdicts[-1] == "active", verdicts
 
 
 def test_xid_fault_drains_node_and_moves_live_sequences_with_their_kv(cluster: Cluster) -> None:
@@ -171,10 +268,10 @@ def test_xid_fault_drains_node_and_moves_live_sequences_with_their_kv(cluster: C
     ids: list[str] = []
 
     async def run() -> None:
-        task = asyncio.create_task(_submit_spread(cluster, items, 5.0))
-        await asyncio.sleep(2.5)
+        task = asyncio.create_task(_submit_spread(cluster, items, 5.0, ids))
+        await _until_mid_stream(cluster, ids, "r0-n1")
         await _inject(cluster, "r0-n1", "xid")  # in-process: a cold CLI start would land after the load
-        ids.extend(await task)
+        await task
 
     asyncio.run(run())
     _check_all(cluster, ids)
@@ -190,13 +287,13 @@ def test_sigkill_router_and_celery_worker(cluster: Cluster) -> None:
     ids: list[str] = []
 
     async def run() -> None:
-        task = asyncio.create_task(_submit_spread(cluster, items, 6.0))
-        await asyncio.sleep(1.5)
+        task = asyncio.create_task(_submit_spread(cluster, items, 6.0, ids))
+        await _until_mid_stream(cluster, ids, "r1-n0", at_least=1)  # the load is flowing through the router
         # the router dies; its supervisor (systemd, Kubernetes) starts a new one, which claims what it left pending
         os.kill(cluster.proc("router").proc.pid, signal.SIGKILL)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the router's outage
         cluster.procs._spawn("router", "router-2", [])
-        await asyncio.sleep(1.0)
+        await _until_mid_stream(cluster, ids, "r1-n0", at_least=2)
         # a GPU worker dies, and the whole Celery worker (main process and pool) dies as soon as it has taken the
         # drain task: the task is lost with it (the broker would give it back only after its visibility timeout);
         # the monitor re-sends the drain of a node that still holds work, and a new Celery worker runs it
@@ -211,7 +308,7 @@ def test_sigkill_router_and_celery_worker(cluster: Cluster) -> None:
         os.killpg(celery.proc.pid, signal.SIGKILL)
         celery.proc.wait()
         cluster.procs.start_celery_worker("celery-worker-2")
-        ids.extend(await task)
+        await task
 
     asyncio.run(run())
     _check_all(cluster, ids)
@@ -241,14 +338,17 @@ def test_etcd_restart_under_load(clean_services, config_file, tmp_path: Path) ->
         ids: list[str] = []
 
         async def run() -> None:
-            task = asyncio.create_task(_submit_spread(c, _load(50, None, seed=5), 5.0))
-            await asyncio.sleep(1.5)
+            task = asyncio.create_task(_submit_spread(c, _load(50, None, seed=5), 5.0, ids))
+            for _ in range(1200):  # etcd goes down under load: once sequences are mid-stream on some node
+                if any([await _mid_stream_on(c, list(ids), n.name) for n in config.nodes()]):
+                    break
+                await asyncio.sleep(0.05)
             await asyncio.to_thread(etcd.stop)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the outage
             nonlocal second
             second = EtcdProcess(tmp_path / "etcd", client_port=etcd.client_port, peer_port=etcd.peer_port)
             await asyncio.to_thread(second.start)
-            ids.extend(await task)
+            await task
 
         asyncio.run(run())
         _check_all(c, ids)
@@ -304,10 +404,10 @@ def test_two_monitors_kill_the_leader_the_other_takes_over_and_handles_a_fault(c
     ids: list[str] = []
 
     async def run() -> None:
-        task = asyncio.create_task(_submit_spread(cluster, items, 4.0))
-        await asyncio.sleep(2.0)
+        task = asyncio.create_task(_submit_spread(cluster, items, 4.0, ids))
+        await _until_mid_stream(cluster, ids, "r0-n2")
         await _inject(cluster, "r0-n2", "xid")  # in-process: a cold CLI start would land after the load
-        ids.extend(await task)
+        await task
 
     asyncio.run(run())
     _check_all(cluster, ids)
@@ -418,3 +518,114 @@ async def _where(c: Cluster, sent: list[Any]) -> dict[str, Any]:
     finally:
         await r.aclose()
     return out
+
+
+def _seq_request(rid: str, rack: str = "r0") -> Any:
+    from pipeline.events import RequestEvent
+
+    return RequestEvent(request_id=rid, version=1, tenant="t", user_id="u", model="qwen2-7b", in_tokens=100,
+                        out_tokens=40, max_tokens=40, mem_est_kb=1000.0, arrival_ms=WALL.now_ms(), rack=rack)
+
+
+def test_a_drain_killed_between_the_owner_change_and_the_handover_is_completed_by_the_next(
+        clean_services, config_file, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The Celery worker dies inside a drain: the etcd transaction moved every sequence to its target, the
+    ResumeEvents were never sent. The next drain of the node (the monitor re-sends it while the node holds work)
+    finds those moves by their unclaimed records and tells the targets; sequences that had finished meanwhile are
+    not resumed, and the records the move wrote for them are removed. One etcd transaction decides each sequence on
+    its own: one whose record changed under the plan does not fail the others."""
+    from pipeline.events import BatchEvent, ResumeEvent
+    from streams import codec, keys
+    from workers.control import failover as fo
+    from workers.stores.etcd import MoveOutcome, PlannedMove, SeqRecord
+
+    config = harness.small_config(config_file(harness.SMALL_CLUSTER))
+    src, dst = "r0-n1", "r0-n0"
+
+    async def run() -> None:
+        ctx = fo.FailoverContext.open(config, clean_services.redis_url, clean_services.etcd_url)
+        try:
+            reqs = [_seq_request(f"seq-{i}") for i in range(5)]
+            now = WALL.now_ms()
+            entry = (await ctx.r.xadd(keys.node_batches(src), codec.encode(BatchEvent(  # type: ignore[arg-type]
+                "b1", "r0", src, tuple(reqs), 5000.0, 1e6, now, now)))).decode()
+            for q in reqs:
+                await ctx.r.xadd(keys.request_out(q.request_id), codec.encode(TokenEvent(  # type: ignore[arg-type]
+                    q.request_id, 1, 0, (7, 8, 9), ("a", "b", "c"), now, src)))
+            await ctx.seqs.apply([SeqRecord(q.request_id, src, 1, "r0", now, entry) for q in reqs], [])
+            recs = await ctx.seqs.records()
+            # seq-4 changes under the plan: another mover took it (v2 on r1-n0)
+            await ctx.seqs.apply([SeqRecord("seq-4", "r1-n0", 2, "r0", now, "")], [])
+            planned = [PlannedMove(r.seq_id, 1, src, dst, r.mod_revision, r.rack, r.entry) for r in recs.values()]
+            results, alive = await ctx.seqs.move_many(planned, now, probe=src)
+            outcome = {res.move.seq_id: res.outcome for res in results}
+            assert alive is False  # the source is not registered: taken for dead
+            assert outcome == {"seq-0": MoveOutcome.MOVED, "seq-1": MoveOutcome.MOVED, "seq-2": MoveOutcome.MOVED,
+                               "seq-3": MoveOutcome.MOVED, "seq-4": MoveOutcome.ALREADY}, outcome
+            # ... and the mover died here. seq-3 finishes meanwhile (its result was already on its way).
+            await ctx.r.set(keys.result_done("seq-3"), b"1")
+            assert await fo.remaining_work(ctx.seqs, ctx.r, src) == (0, 0)  # not yet taken for an untold move
+            monkeypatch.setattr(fo, "UNTOLD_AFTER_MS", 0.0)
+            assert (await fo.remaining_work(ctx.seqs, ctx.r, src))[0] == 4  # the monitor re-sends the drain
+            report = await fo.drain(ctx, src)
+            moved = sorted(m.seq_id for m in report.moves if m.outcome == "moved")
+            assert moved == ["seq-0", "seq-1", "seq-2"], report
+            assert [m.outcome for m in report.moves if m.seq_id == "seq-3"] == ["finished"]
+            resumes = [codec.decode(f) for _e, f in await ctx.r.xrange(keys.node_batches(dst))]
+            assert sorted(e.request.request_id for e in resumes if isinstance(e, ResumeEvent)) == moved
+            assert all(e.generated == (7, 8, 9) and e.request.version == 2 for e in resumes)
+            left = await ctx.seqs.records()
+            assert "seq-3" not in left, "the record written for a finished sequence was left behind"
+            assert left["seq-4"].owner == "r1-n0"  # the other mover's move stands
+            # the dead source is fenced too: a stalled process that wakes up stops its copies
+            fences = [codec.decode(f) for _e, f in await ctx.r.xrange(keys.node_control(src))]
+            assert sorted(f.seq_id for f in fences) == moved
+            # told once: a drain soon after finds nothing more to do (a target claims its sequence in milliseconds)
+            monkeypatch.setattr(fo, "UNTOLD_AFTER_MS", 2000.0)
+            again = await fo.drain(ctx, src)
+            assert not [m for m in again.moves if m.outcome == "moved"], again
+        finally:
+            await ctx.close()
+
+    asyncio.run(run())
+
+
+def test_a_migrate_task_redelivered_after_the_owner_change_tells_the_target(clean_services, config_file) -> None:  # type: ignore[no-untyped-def]
+    """`migrate_sequence` killed after its transaction (acks_late: Celery runs it again): the repeat finds the record
+    it wrote, still unclaimed by the target, and sends the ResumeEvent it never sent; once the target has claimed
+    the sequence, a repeat changes nothing."""
+    from pipeline.events import BatchEvent, ResumeEvent
+    from streams import codec, keys
+    from workers.control import failover as fo
+    from workers.stores.etcd import PlannedMove, SeqRecord
+
+    config = harness.small_config(config_file(harness.SMALL_CLUSTER))
+    src, dst = "r0-n1", "r0-n0"
+
+    async def run() -> None:
+        ctx = fo.FailoverContext.open(config, clean_services.redis_url, clean_services.etcd_url)
+        try:
+            q = _seq_request("seq-m")
+            now = WALL.now_ms()
+            entry = (await ctx.r.xadd(keys.node_batches(src), codec.encode(BatchEvent(  # type: ignore[arg-type]
+                "b1", "r0", src, (q,), 1000.0, 1e6, now, now)))).decode()
+            await ctx.r.xadd(keys.request_out(q.request_id), codec.encode(TokenEvent(  # type: ignore[arg-type]
+                q.request_id, 1, 0, (4, 5), ("d", "e"), now, src)))
+            await ctx.seqs.apply([SeqRecord(q.request_id, src, 1, "r0", now, entry)], [])
+            rec = (await ctx.seqs.records())[q.request_id]
+            await ctx.seqs.move_many([PlannedMove(q.request_id, 1, src, dst, rec.mod_revision, "r0", entry)], now)
+            # ... killed here; the task runs again with its original arguments
+            rep = await fo.migrate_sequence(ctx, q.request_id, 1, src, dst, rec.mod_revision, entry, "r0")
+            assert rep.outcome == "moved" and rep.version == 2, rep
+            resumes = [codec.decode(f) for _e, f in await ctx.r.xrange(keys.node_batches(dst))]
+            assert [(e.request.request_id, e.generated) for e in resumes if isinstance(e, ResumeEvent)] == \
+                [(q.request_id, (4, 5))]
+            # the target claims it (its record now names its own entry): a third run is `already`
+            await ctx.seqs.apply([SeqRecord(q.request_id, dst, 2, "r0", WALL.now_ms(), "1-0")], [])
+            again = await fo.migrate_sequence(ctx, q.request_id, 1, src, dst, rec.mod_revision, entry, "r0")
+            assert again.outcome == "already", again
+            assert len(await ctx.r.xrange(keys.node_batches(dst))) == 1
+        finally:
+            await ctx.close()
+
+    asyncio.run(run())

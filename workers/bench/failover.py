@@ -3,9 +3,13 @@
 The default cluster (2 racks x 4 nodes, `sim` engines with real iteration times) runs with health agents, the
 monitor and a Celery worker. The same slice of the Azure conversation trace is replayed twice: once undisturbed,
 once with `kill -9` of one worker halfway through. Reported: lost, duplicate and error results, every client stream
-checked token by token (through the gateway's reader), the migrations (count, and how long each move took from the
-task's start to the ResumeEvent on the new owner), the detection delay (kill -> node marked dead), and the P95
-shift between the two runs.
+checked token by token (through the gateway's reader), the migrations (count, and how long each move took from its
+start, in the drain task or a migrate task of its own, to the ResumeEvent in the new owner's stream; with the
+part spent reading and changing the owner, and how many moved together), the detection delay (kill -> node marked
+dead: the monitor's verdict), how long the whole failover took (kill -> the last sequence handed to its new
+owner; `handover_ms`: from the verdict), the verdicts on nodes that were not killed (a live node taken for dead),
+and the P95 shift between the two runs. `detection_p50_ms` is the median over the run's kills (one).
+RACKFLOW_BENCH_KEEP_LOGS=DIR keeps the processes' logs and the failover's timeline (timeline.json) there.
 """
 
 from __future__ import annotations
@@ -90,18 +94,18 @@ async def _collect(config: RackflowConfig, redis_url: str, ids: list[str], timeo
     return {"results": results, "counts": counts, "stream_errors": stream_errors}
 
 
-async def _migrations(redis_url: str, since_ms: float) -> tuple[list[float], list[tuple[float, str]]]:
+async def _migrations(redis_url: str, since_ms: float) -> tuple[list[DecisionEvent], list[tuple[float, str]]]:
     r = connect(redis_url)
     try:
         entries = await r.xrange(keys.DECISIONS, min=f"{int(since_ms)}-0")
     finally:
         await r.aclose()
-    moves: list[float] = []
+    moves: list[DecisionEvent] = []
     verdicts: list[tuple[float, str]] = []
     for _eid, fields in entries:
         ev = codec.decode(fields)
         if isinstance(ev, DecisionEvent) and ev.kind == "migration":
-            moves.append(ev.scores.get("ms", 0.0))
+            moves.append(ev)
         elif isinstance(ev, DecisionEvent) and ev.kind == "failover":
             verdicts.append((ev.ts_ms, ev.choice))
     return moves, verdicts
@@ -113,6 +117,7 @@ def bench_failover(redis_url: str, etcd_url: str, requests: int = 600, speedup: 
         "AzureLLMInferenceTrace_conv.csv"
     with open(trace, newline="", encoding="utf-8") as fh:
         rows = assign_users(list(parse_azure(fh, requests)), 300, 1.1, random.Random(7))
+    keep = os.environ.get("RACKFLOW_BENCH_KEEP_LOGS")
     with tempfile.TemporaryDirectory(prefix="rackflow-bench-") as tmp:
         path = Path(tmp) / "failover.yaml"
         config = config_overlay_file(path, {"policies": {"kv": {"l1_dir": str(Path(tmp) / "l1")},
@@ -133,10 +138,29 @@ def bench_failover(redis_url: str, etcd_url: str, requests: int = 600, speedup: 
 
             run_ids = asyncio.run(_replay(config, redis_url, rows, speedup, on_half=kill))
             run = asyncio.run(_collect(config, redis_url, run_ids, 300))
-            moves, verdicts = asyncio.run(_migrations(redis_url, killed_at[0] if killed_at else 0.0))
+            moved, verdicts = asyncio.run(_migrations(redis_url, killed_at[0] if killed_at else 0.0))
         finally:
             procs.stop()
-    detect = [ts - killed_at[0] for ts, choice in verdicts if choice.startswith("r0-n1:") and killed_at]
+            if keep:
+                import shutil
+
+                shutil.copytree(Path(tmp) / "logs", keep, dirs_exist_ok=True)
+    victim_name = "r0-n1"
+    if keep:  # the raw timeline next to the logs
+        Path(keep, "timeline.json").write_text(json.dumps({
+            "killed_at": killed_at, "verdicts": verdicts,
+            "moves": [{"ts": m.ts_ms, "seq": m.request_ids[0], "src": m.batch_id, "dst": m.choice, **m.scores}
+                      for m in moved]}, indent=1))
+    detect = [ts - killed_at[0] for ts, choice in verdicts if choice.startswith(f"{victim_name}:") and killed_at]
+    # verdicts on the nodes that were not killed: a live node taken for dead or drained (a false positive)
+    others = sorted({choice for _ts, choice in verdicts if not choice.startswith(f"{victim_name}:")
+                     and not choice.endswith(":active")})
+    moves = [m.scores.get("ms", 0.0) for m in moved]
+    off_victim = [m for m in moved if m.batch_id == victim_name]
+    failover_ms = (max(m.ts_ms for m in off_victim) - killed_at[0]) if off_victim and killed_at else None
+    dead_ts = [ts for ts, choice in verdicts if choice == f"{victim_name}:dead"]
+    # the monitor's verdict -> the last sequence handed over: the Celery hop, the drain's plan and the moves
+    handover_ms = (max(m.ts_ms for m in off_victim) - dead_ts[0]) if off_victim and dead_ts else None
 
     def p95(res: dict[str, ResultEvent]) -> float:
         return percentile([e.finish_ms - e.arrival_ms for e in res.values()], 95)
@@ -152,7 +176,17 @@ def bench_failover(redis_url: str, etcd_url: str, requests: int = 600, speedup: 
         "migrations": len(moves),
         "migration_p50_ms": round(percentile(moves, 50), 2),
         "migration_p99_ms": round(percentile(moves, 99), 2),
+        "migration_prepare_p50_ms": round(percentile([m.scores.get("prepare_ms", 0.0) for m in moved], 50), 2),
+        "migration_release_p50_ms": round(percentile([m.scores.get("release_ms", 0.0) for m in moved], 50), 2),
+        "migration_read_p50_ms": round(percentile([m.scores.get("read_ms", 0.0) for m in moved], 50), 2),
+        "migration_cas_p50_ms": round(percentile([m.scores.get("cas_ms", 0.0) for m in moved], 50), 2),
+        "migration_batch_max": int(max((m.scores.get("batch", 1.0) for m in moved), default=0)),
+        "heartbeat_timeout_ms": config.policies.worker_heartbeat_timeout_ms(),
+        "handover_ms": round(handover_ms, 1) if handover_ms is not None else None,
         "detection_ms": round(detect[0], 1) if detect else None,
+        "detection_p50_ms": round(percentile(detect[:1], 50), 1) if detect else None,
+        "failover_ms": round(failover_ms, 1) if failover_ms is not None else None,
+        "other_verdicts": others,
         "p95_ms": round(p95(rr), 1),
         "p95_baseline_ms": round(p95(br), 1),
         "p95_shift_ms": round(p95(rr) - p95(br), 1),

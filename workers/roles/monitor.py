@@ -8,6 +8,13 @@
   stopped is marked `draining`/`dead` in etcd (`/rackflow/admin/{node}`: routers and batchers stop sending to it at
   their next refresh) and a Celery `drain_node` task moves its live sequences away. A node that recovers (score back
   above the recovery threshold for long enough, or a fresh worker registered after a death) is cleared.
+- Worker heartbeats: every worker's status event on `rf:health` (every `worker.status_interval_ms`, 200 ms) is a
+  heartbeat. A worker silent for `health.worker_heartbeat_timeout_ms` (800 ms) on the stream's own clock
+  (pipeline/health.py: HeartbeatWatch) is taken for dead in under a second: the monitor marks it dead, revokes its
+  etcd lease (the registration is gone at once, as at the lease's expiry: etcd still says who is alive, and every
+  mover sees the same answer), then sends the drain. The lease's expiry stays the backstop. A worker that was only
+  stalled finds its lease gone when it wakes, registers again, and is back in service once its heartbeats are
+  too; the sequences moved meanwhile are fenced by the version rule (the movers' release messages stop its copies).
 - Every verdict is also a DecisionEvent on `rf:decisions` (kind `failover`), so replay can explain it.
 """
 
@@ -21,8 +28,9 @@ from typing import Any
 
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, HealthEvent
-from pipeline.health import HealthSample, HealthScorer
+from pipeline.health import HealthSample, HealthScorer, HeartbeatWatch
 from pipeline.sequences import NodeState, NodeTrigger, node_transition
+from pipeline.stats import stream_id_ms
 from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers.control import app as celery_app
@@ -58,7 +66,18 @@ class Monitor:
         self.seen_heartbeat: set[str] = set()
         self.verdicts: dict[str, NodeState] = {}
         self.actions = 0
+        self.nodes = frozenset(n.name for n in config.nodes())
+        self.watch = self._new_watch()
+        self.hb_dead: set[str] = set()
+        """Nodes this monitor declared dead on their heartbeats: a registration alone does not bring one back, its
+        heartbeats must flow again too (a stalled worker re-registers the moment it wakes)."""
         celery_app.configure(config, redis_url, etcd_url)
+
+    def _new_watch(self) -> HeartbeatWatch | None:
+        timeout = self.config.policies.worker_heartbeat_timeout_ms()
+        if not timeout:
+            return None
+        return HeartbeatWatch(float(timeout), float(self.config.policies.health.heartbeat_settle_ms))
 
     # -- leadership --------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:
@@ -76,6 +95,12 @@ class Monitor:
                                          if v.get("state") in {s.value for s in NodeState}}
                         for n in self.config.nodes():
                             metrics.set_node_state(n.name, self._state(n.name))
+                        self.watch = self._new_watch()  # judged on what this leader reads from here on
+                        try:
+                            celery_app.warm_sender()  # the first drain must not open the broker connection
+                        except Exception as e:
+                            log.warning("monitor %s: Celery broker not reachable yet (%s)", self.identity, e)
+                        self.hb_dead = {n for n, v in self.verdicts.items() if v is NodeState.DEAD}
                         self.consumer = self._consumer()
                         consume = asyncio.create_task(self.consumer.run())
                         check = asyncio.create_task(self._check_loop())
@@ -120,10 +145,17 @@ class Monitor:
 
     # -- health samples ----------------------------------------------------------------------------------------
     async def _on_health(self, deliveries: list[Delivery]) -> None:
+        watch = self.watch
+        if watch is not None:
+            for d in deliveries:  # the stream's clock first: every entry moves it, a worker's status is a heartbeat
+                ev = d.event
+                beat = isinstance(ev, HealthEvent) and ev.source == "worker" and ev.node in self.nodes
+                watch.observe(stream_id_ms(d.id), ev.node if beat else None)  # type: ignore[union-attr]
+            await self.check_heartbeats()
         for d in deliveries:
             ev = d.event
             if not isinstance(ev, HealthEvent) or ev.source not in ("nvml", "sim"):
-                continue  # the workers' own status events feed routing, not health verdicts
+                continue  # the workers' own status events feed routing and the heartbeat watch, not health scores
             self.seen_heartbeat.add(ev.node)
             verdict = self.scorer.observe(HealthSample(
                 ev.node, ev.ts_ms, xid_errors=ev.xid_errors, ecc_errors=ev.ecc_errors,
@@ -137,6 +169,24 @@ class Monitor:
                 await self._transition(ev.node, trigger, why, {"score": verdict.score} if verdict.draining else {})
 
     # -- liveness ----------------------------------------------------------------------------------------------
+    async def check_heartbeats(self) -> None:
+        """Declare dead every worker whose heartbeats stopped (HeartbeatWatch): mark it, revoke its lease, drain."""
+        if self.watch is None:
+            return
+        for node, silent in self.watch.missed():
+            if self._state(node) is NodeState.DEAD:
+                self.watch.forget(node)  # dead already (its lease expired first): nothing more to do
+                continue
+            try:
+                await self._transition(node, NodeTrigger.LEASE_LOST,
+                                       f"no heartbeat for {silent:.0f} ms; lease revoked", {"silent_ms": silent},
+                                       fence=True)
+            except EtcdStoreError as e:  # tried again at the next health entry
+                log.warning("monitor: node %s missed its heartbeats but cannot be marked dead now (%s)", node, e)
+                return
+            self.watch.forget(node)
+            self.hb_dead.add(node)
+
     async def _check_loop(self) -> None:
         while True:
             try:
@@ -153,8 +203,13 @@ class Monitor:
         self.seen_heartbeat |= heartbeats
         for node in (n.name for n in self.config.nodes()):
             if node in registered:
-                # a fresh worker registered for a node we buried: back in service
-                await self._transition(node, NodeTrigger.REGISTERED, "a new worker registered", {})
+                # a fresh worker registered for a node we buried: back in service (one declared dead on its
+                # heartbeats only once they flow again: a stalled worker re-registers as soon as it wakes)
+                silent = node in self.hb_dead and self.watch is not None and not self.watch.fresh(node)
+                if not silent and await self._transition(node, NodeTrigger.REGISTERED, "a new worker registered", {}):
+                    self.hb_dead.discard(node)
+                    if self.watch is not None:
+                        self.watch.reset(node)  # a full heartbeat window before it can be judged again
                 self.seen_registered.add(node)
                 if node in self.seen_heartbeat and node not in heartbeats and self._state(node) is NodeState.ACTIVE:
                     await self._transition(node, NodeTrigger.HEARTBEAT_LOST, "health agent heartbeat expired", {})
@@ -186,20 +241,27 @@ class Monitor:
     def _state(self, node: str) -> NodeState:
         return self.verdicts.get(node, NodeState.ACTIVE)
 
-    async def _transition(self, node: str, trigger: NodeTrigger, reason: str, scores: dict[str, float]) -> None:
+    async def _transition(self, node: str, trigger: NodeTrigger, reason: str, scores: dict[str, float],
+                          fence: bool = False) -> bool:
         """Apply the node lifecycle (pipeline/sequences.py: NODE_TRANSITIONS): a verdict and its drain, a return
-        to service, or nothing when the trigger changes nothing in the node's state."""
+        to service, or nothing when the trigger changes nothing in the node's state (False). `fence`: revoke the
+        worker's lease before the drain is sent (a death seen on the heartbeats, ahead of the lease)."""
         nxt = node_transition(self._state(node), trigger)
         if nxt is None:
-            return
+            return False
         if nxt is NodeState.ACTIVE:
             await self._clear(node, reason)
         else:
-            await self._act(node, nxt, reason, scores)
+            await self._act(node, nxt, reason, scores, fence)
+        return True
 
-    async def _act(self, node: str, state: NodeState, reason: str, scores: dict[str, float]) -> None:
+    async def _act(self, node: str, state: NodeState, reason: str, scores: dict[str, float],
+                   fence: bool = False) -> None:
         now = WALL.now_ms()
-        await self.admin.set(node, state, reason, now)
+        if fence:  # before the drain: its movers must find the node unregistered, as after the lease's expiry
+            await self.admin.set_and_fence(node, state, reason, now)
+        else:
+            await self.admin.set(node, state, reason, now)
         self.verdicts[node] = state
         task = celery_app.send("drain_node", node)
         self.last_drain[node] = now

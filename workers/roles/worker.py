@@ -45,6 +45,7 @@ from pipeline.sequences import Delivered, Intake, intake, intake_batch
 from pipeline.stats import stream_id_key
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from workers.control.failover import RELEASE_WAKE_TTL_S, release_wake_key
 from workers.engines import StepOutput, build_engine
 from workers.engines.base import EngineError
 from workers.kv.manager import KvTierManager
@@ -284,6 +285,7 @@ class Worker:
                  "KV snapshot" if snap is not None else "re-prefill", ev.src)
 
     async def _on_control(self, deliveries: list[Delivery]) -> None:
+        releases: list[ReleaseEvent] = []
         for d in deliveries:
             ev = d.event
             if isinstance(ev, CancelEvent):
@@ -292,8 +294,15 @@ class Worker:
                 continue
             if not isinstance(ev, ReleaseEvent):
                 raise TypeError(f"expected a control message on {d.stream}, got {type(ev).__name__}")
-            with log_context(request_id=ev.seq_id, seq_id=ev.seq_id):
-                await self._release(ev)
+            releases.append(ev)
+        # every release of this read at once: the engine loop runs them all between the same two steps (a drain
+        # moves a node's sequences together; one at a time, each would wait for a step of its own)
+        if releases:
+            await asyncio.gather(*(self._release_logged(ev) for ev in releases))
+
+    async def _release_logged(self, ev: ReleaseEvent) -> None:
+        with log_context(request_id=ev.seq_id, seq_id=ev.seq_id):
+            await self._release(ev)
 
     async def _cancel(self, rid: str, reason: str = "") -> bool:
         """Abort a live sequence (a revoked job): the engine drops it, the tokens it made so far go out, and its
@@ -391,7 +400,15 @@ class Worker:
                 exported = await done
             else:
                 exported = await self._release_now(ev)
-        await self.r.set(keys.seq_released(rid, ev.version), b"kv" if exported else b"none", ex=3600)
+        # the marker says what the mover will find (the KV exported or not); the entry on the wake stream lets a
+        # mover that waits for it block on it (XREAD BLOCK) instead of polling the marker
+        mark = b"kv" if exported else b"none"
+        wake = release_wake_key(rid, ev.version)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(keys.seq_released(rid, ev.version), mark, ex=3600)
+        pipe.xadd(wake, {b"m": mark})
+        pipe.expire(wake, RELEASE_WAKE_TTL_S)
+        await pipe.execute()
 
     async def _run_releases(self) -> None:
         """The releases queued by `_release`, run by the engine loop while no step is in flight."""
@@ -630,15 +647,43 @@ class Worker:
         if hasattr(self.engine, "slow_factor"):
             self.engine.slow_factor = factor
 
-    async def _status_loop(self, stop: asyncio.Event) -> None:
+    async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
+        """The worker's heartbeat: its status (HealthEvent on `rf:health` and the node's status hash, one round
+        trip) every `status_interval_ms`, on a fixed schedule that nothing else in this loop can hold up. The
+        monitor takes a worker whose heartbeats stop for `health.worker_heartbeat_timeout_ms` for dead; engine
+        steps never block it (the engines sleep or compute off the event loop), nor do the fault and cancel checks
+        (their own loop, `_checks_loop`)."""
+        interval = self.config.policies.worker.status_interval_ms / 1000.0
+        due = time.monotonic()
+        failing = False
+        while not stop.is_set():
+            try:
+                await self.publish_status()
+                if failing:
+                    log.info("node %s: status published again", self.node)
+                failing = False
+            except Exception as e:
+                if not failing:  # once per outage
+                    log.warning("node %s: status publish failed: %s", self.node, e)
+                failing = True
+            due += interval
+            now = time.monotonic()
+            if due < now:  # late (the publish took longer than an interval): the next one at once, on a new grid
+                due = now
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, due - now))
+            except TimeoutError:
+                pass
+
+    async def _checks_loop(self, stop: asyncio.Event) -> None:
+        """Injected faults (a `slow` engine) and the cancellation markers' backstop, every status interval."""
         interval = self.config.policies.worker.status_interval_ms / 1000.0
         while not stop.is_set():
             try:
                 await self._apply_faults()
                 await self._cancel_marked()
-                await self.publish_status()
             except Exception as e:
-                log.warning("node %s: status publish failed: %s", self.node, e)
+                log.warning("node %s: fault and cancel checks failed: %s", self.node, e)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:
@@ -695,7 +740,8 @@ class Worker:
         tasks = [
             asyncio.create_task(self.consumer.run(), name="consume"),
             self._start_engine_loop(engine_stop),
-            asyncio.create_task(self._status_loop(status_stop), name="status"),
+            asyncio.create_task(self._heartbeat_loop(status_stop), name="heartbeat"),
+            asyncio.create_task(self._checks_loop(status_stop), name="checks"),
             asyncio.create_task(self.control.run(), name="control"),
         ]
         log.info("worker %s (rack %s, engine %s) ready", self.node, self.rack, self.engine_name)

@@ -304,6 +304,8 @@ class NodeRegistry:
         self._keepalive: asyncio.Task[None] | None = None
         self._info: dict[str, Any] = {}
         self._node: str | None = None
+        self.lease_losses = 0
+        """How many times the registration lease was found gone (expired or revoked) and replaced."""
 
     async def register(self, node: str, info: dict[str, Any]) -> None:
         """Put `/rackflow/nodes/{node}` = info (state `active`) under a lease kept alive until close()."""
@@ -332,7 +334,15 @@ class NodeRegistry:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self._lease.refresh()
+                reply = await self._lease.refresh()
+                if reply is not None and getattr(reply, "TTL", 1) <= 0:
+                    # gone: expired while this process could not refresh it, or revoked by the monitor because
+                    # this worker's heartbeats stopped (it was taken for dead and its sequences moved; the movers'
+                    # release messages stop what it still runs). Register again as a fresh incarnation.
+                    self.lease_losses += 1
+                    log.warning("node %s: registration lease %x is gone (expired, or revoked by the monitor after "
+                                "missed heartbeats); registering again", self._node, self._lease.id)
+                    self._lease = await self.client.lease(self.ttl_s)
                 # Re-put under our lease: another process of the same node (hot swap) may have taken the key
                 # with its own lease, and when that one dies the key must not vanish while we are alive.
                 await self.client.put(
@@ -403,6 +413,12 @@ class SeqRecord:
     entry: str = ""
     """Stream id of the entry that carries the request in the owner's `rf:node:{owner}:batch` stream."""
     mod_revision: int = 0
+    moved_from: str = ""
+    """Set by a move, until the new owner claims the record (its claim writes the record again without it): the
+    node it was moved from ..."""
+    from_entry: str = ""
+    """... and the entry that carried its request there. A drain of that node finds a move whose target was never
+    told (the mover died in between) by these, and tells the target again."""
 
 
 class MoveOutcome(StrEnum):
@@ -416,9 +432,45 @@ class MoveOutcome(StrEnum):
     """No record: the sequence finished (or its owner never recorded it)."""
 
 
-def _seq_value(owner: str, version: int, rack: str, ts: float, entry: str) -> bytes:
-    return json.dumps({"owner": owner, "version": version, "rack": rack, "last_update_ts": ts,
-                       "entry": entry}).encode()
+@dataclass(frozen=True, slots=True)
+class PlannedMove:
+    """One sequence to move (src, version) -> (dst, version + 1), with what the planner read of its record."""
+
+    seq_id: str
+    version: int
+    src: str
+    dst: str
+    mod_revision: int = 0
+    """The record's mod revision as read (0: not read: the move reads it first, one more round trip)."""
+    rack: str = ""
+    entry: str = ""
+    """The entry that carried the request to `src` (kept in the moved record until the target claims it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveResult:
+    move: PlannedMove
+    outcome: MoveOutcome
+    record: SeqRecord | None
+    """MOVED: the record as written; otherwise the record as found (None: none)."""
+
+    @property
+    def unclaimed_ours(self) -> bool:
+        """ALREADY, but the record is exactly what this move writes and the target has not claimed it yet (a claim
+        re-puts it with the target's entry): an earlier attempt of this move changed the owner and may have died
+        before it told the target. Telling the target again is safe (a duplicate resume is refused there)."""
+        r = self.record
+        return (self.outcome is MoveOutcome.ALREADY and r is not None and r.owner == self.move.dst
+                and r.version == self.move.version + 1 and not r.entry and r.moved_from in ("", self.move.src))
+
+
+def _seq_value(owner: str, version: int, rack: str, ts: float, entry: str, moved_from: str = "",
+               from_entry: str = "") -> bytes:
+    d: dict[str, Any] = {"owner": owner, "version": version, "rack": rack, "last_update_ts": ts, "entry": entry}
+    if moved_from:
+        d["from"] = moved_from
+        d["from_entry"] = from_entry
+    return json.dumps(d).encode()
 
 
 class SequenceRegistry:
@@ -434,7 +486,8 @@ class SequenceRegistry:
     def _parse(seq_id: str, raw: bytes, mod_revision: int) -> SeqRecord:
         d = json.loads(raw)
         return SeqRecord(seq_id, str(d["owner"]), int(d["version"]), str(d.get("rack", "")),
-                         float(d.get("last_update_ts", 0.0)), str(d.get("entry", "")), mod_revision)
+                         float(d.get("last_update_ts", 0.0)), str(d.get("entry", "")), mod_revision,
+                         str(d.get("from", "")), str(d.get("from_entry", "")))
 
     async def apply(self, puts: list[SeqRecord], deletes: list[str]) -> None:
         """Write and delete records in as few transactions as etcd allows (128 operations each)."""
@@ -455,17 +508,47 @@ class SequenceRegistry:
             raise _translate(e) from None
         return None if got is None else self._parse(seq_id, got.value, got.mod_revision)
 
-    async def owned_by(self, node: str) -> list[SeqRecord]:
+    async def records(self) -> dict[str, SeqRecord]:
+        """Every sequence record (one range read), by sequence id."""
         try:
             resp = await self.client.get_prefix(keys.ETCD_SEQ.encode())
         except aex.ClientError as e:
             raise _translate(e) from None
-        out = []
+        out = {}
         for kv in resp:
             rec = self._parse(kv.key.decode()[len(keys.ETCD_SEQ):], kv.value, kv.mod_revision)
-            if rec.owner == node:
-                out.append(rec)
+            out[rec.seq_id] = rec
         return out
+
+    async def snapshot(self) -> tuple[dict[str, SeqRecord], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """Every sequence record, every registered node (its info) and every monitor verdict, read in ONE
+        transaction (one revision: a consistent picture of who owns what and who is alive), as a drain plans."""
+        from aetcd.utils import prefix_range_end
+
+        t = self.client.transactions
+        prefixes = [keys.ETCD_SEQ, keys.ETCD_NODES, keys.ETCD_ADMIN]
+        try:
+            _ok, resp = await self.client.transaction(compare=[], success=[
+                t.get(p.encode(), prefix_range_end(p.encode())) for p in prefixes], failure=[])
+        except aex.ClientError as e:
+            raise _translate(e) from None
+        records = {}
+        for value, meta in resp[0]:
+            rec = self._parse(meta.key.decode()[len(keys.ETCD_SEQ):], value, meta.mod_revision)
+            records[rec.seq_id] = rec
+        tables: list[dict[str, dict[str, Any]]] = []
+        for prefix, rows in zip(prefixes[1:], resp[1:], strict=True):
+            table: dict[str, dict[str, Any]] = {}
+            for value, meta in rows:
+                try:
+                    table[meta.key.decode()[len(prefix):]] = json.loads(value)
+                except ValueError:
+                    table[meta.key.decode()[len(prefix):]] = {"state": "unknown"}
+            tables.append(table)
+        return records, tables[0], tables[1]
+
+    async def owned_by(self, node: str) -> list[SeqRecord]:
+        return [r for r in (await self.records()).values() if r.owner == node]
 
     async def move(
         self, seq_id: str, version: int, src: str, dst: str, now_ms: float, entry: str = ""
@@ -480,7 +563,7 @@ class SequenceRegistry:
                 if got is None:
                     ok, _ = await self.client.transaction(
                         compare=[t.version(key) == 0],
-                        success=[t.put(key, _seq_value(dst, version + 1, "", now_ms, entry))],
+                        success=[t.put(key, _seq_value(dst, version + 1, "", now_ms, entry, src))],
                         failure=[],
                     )
                     if ok:
@@ -493,12 +576,113 @@ class SequenceRegistry:
                     return MoveOutcome.CONFLICT, rec
                 ok, _ = await self.client.transaction(
                     compare=[t.mod(key) == got.mod_revision],
-                    success=[t.put(key, _seq_value(dst, version + 1, rec.rack, now_ms, entry))],
+                    success=[t.put(key, _seq_value(dst, version + 1, rec.rack, now_ms, entry, src, rec.entry))],
                     failure=[],
                 )
                 if ok:
                     return MoveOutcome.MOVED, SeqRecord(seq_id, dst, version + 1, rec.rack, now_ms, entry)
             raise EtcdUnavailable(f"sequence {seq_id}: ownership kept changing under the compare-and-swap")
+        except aex.ClientError as e:
+            raise _translate(e) from None
+
+    async def move_many(self, moves: list[PlannedMove], now_ms: float,
+                        probe: str | None = None) -> tuple[list[MoveResult], bool | None]:
+        """Every move in ONE round trip (per 100 moves): a transaction of one nested compare-and-swap per sequence
+        on the mod revision its planner read, each decided on its own (one sequence that changed meanwhile does
+        not fail the others), each answering with the record as it is when its compare fails. `probe`: a node
+        whose registration is read in the same transaction (is its worker's lease alive?). A move planned without
+        a mod revision, or whose record was only re-written by its owner meanwhile (same owner and version),
+        reads the record and tries again (at most 5 rounds).
+
+        Returns the result of each move, in order, and whether `probe` is registered (None without a probe)."""
+        t = self.client.transactions
+        results: dict[int, MoveResult] = {}
+        todo = list(enumerate(moves))
+        alive: bool | None = None
+        try:
+            for _round in range(5):
+                if not todo:
+                    break
+                unknown = [(i, m) for i, m in todo if m.mod_revision <= 0]
+                if unknown:  # no revision planned: read these records first (one range read each, one txn)
+                    _ok, resp = await self.client.transaction(
+                        compare=[], success=[t.get(keys.etcd_seq(m.seq_id).encode()) for _i, m in unknown],
+                        failure=[])
+                    known = {}
+                    for (i, m), rows in zip(unknown, resp, strict=True):
+                        if not rows:
+                            known[i] = m  # absent: created at the new version if still absent (version == 0)
+                            continue
+                        rec = self._parse(m.seq_id, rows[0][0], rows[0][1].mod_revision)
+                        verdict = self._verdict(m, rec)
+                        if verdict is not None:
+                            results[i] = verdict
+                        else:
+                            known[i] = PlannedMove(m.seq_id, m.version, m.src, m.dst, rec.mod_revision, rec.rack,
+                                                   rec.entry)
+                    todo = [(i, known[i]) if i in known else (i, m) for i, m in todo if i not in results]
+                retry: list[tuple[int, PlannedMove]] = []
+                for start in range(0, len(todo), 100):
+                    chunk = todo[start:start + 100]
+                    ops = []
+                    for _i, m in chunk:
+                        key = keys.etcd_seq(m.seq_id).encode()
+                        cmp = t.mod(key) == m.mod_revision if m.mod_revision > 0 else t.version(key) == 0
+                        ops.append(t.txn(compare=[cmp],
+                                         success=[t.put(key, _seq_value(m.dst, m.version + 1, m.rack, now_ms, "",
+                                                                        m.src, m.entry))],
+                                         failure=[t.get(key)]))
+                    if probe is not None and start == 0:
+                        ops.append(t.get(keys.etcd_node(probe).encode()))
+                    _ok, resp = await self.client.transaction(compare=[], success=ops, failure=[])
+                    if probe is not None and start == 0:
+                        alive = bool(resp[-1])
+                        resp = resp[:-1]
+                    for (i, m), r in zip(chunk, resp, strict=True):
+                        inner = r.response_txn
+                        if inner.succeeded:
+                            results[i] = MoveResult(m, MoveOutcome.MOVED, SeqRecord(
+                                m.seq_id, m.dst, m.version + 1, m.rack, now_ms, "",
+                                inner.responses[0].response_put.header.revision, m.src, m.entry))
+                            continue
+                        kvs = inner.responses[0].response_range.kvs
+                        if not kvs:  # gone meanwhile: it finished (its owner deleted the record)
+                            results[i] = MoveResult(m, MoveOutcome.MISSING, None)
+                            continue
+                        rec = self._parse(m.seq_id, kvs[0].value, kvs[0].mod_revision)
+                        verdict = self._verdict(m, rec)
+                        if verdict is not None:
+                            results[i] = verdict
+                        else:  # re-written by its owner (same owner, same version): try again on the new revision
+                            retry.append((i, PlannedMove(m.seq_id, m.version, m.src, m.dst, rec.mod_revision,
+                                                         rec.rack, rec.entry)))
+                todo = retry
+                probe = None
+            if todo:
+                raise EtcdUnavailable(f"{len(todo)} sequences: ownership kept changing under the compare-and-swap")
+        except aex.ClientError as e:
+            raise _translate(e) from None
+        return [results[i] for i in range(len(moves))], alive
+
+    @staticmethod
+    def _verdict(m: PlannedMove, rec: SeqRecord) -> MoveResult | None:
+        """What a record found in place of the planned one means (None: it is still (src, version): move it)."""
+        if rec.version > m.version:
+            return MoveResult(m, MoveOutcome.ALREADY, rec)
+        if rec.owner != m.src:
+            return MoveResult(m, MoveOutcome.CONFLICT, rec)
+        return None
+
+    async def delete_if_unchanged(self, records: list[SeqRecord]) -> None:
+        """Delete each record only if it is still the one given (its mod revision): the cleanup of records a move
+        wrote for sequences that turned out to have finished."""
+        t = self.client.transactions
+        ops = [t.txn(compare=[t.mod(keys.etcd_seq(r.seq_id).encode()) == r.mod_revision],
+                     success=[t.delete(keys.etcd_seq(r.seq_id).encode())], failure=[]) for r in records
+               if r.mod_revision > 0]
+        try:
+            for i in range(0, len(ops), 100):
+                await self.client.transaction(compare=[], success=ops[i:i + 100], failure=[])
         except aex.ClientError as e:
             raise _translate(e) from None
 
@@ -591,6 +775,34 @@ class NodeAdmin:
         except aex.ClientError as e:
             raise _translate(e) from None
         return {kv.key.decode()[len(keys.ETCD_ADMIN):]: json.loads(kv.value) for kv in resp}
+
+    async def set_and_fence(self, node: str, state: str, reason: str, now_ms: float) -> int | None:
+        """`set`, then end the registration of `node`'s worker now: revoke the lease its `/rackflow/nodes/{node}`
+        key is under, which deletes the key (and anything else under that lease) exactly as the lease's expiry
+        would, only without waiting for the TTL. The monitor does this to a worker whose heartbeats stopped: from
+        then on etcd says the node is gone, so every mover treats it as dead, and a worker that was merely stalled
+        finds its lease gone when it wakes up and registers again as a fresh incarnation. Two round trips: the
+        verdict is written and the registration read in one transaction, then the lease is revoked. Returns the
+        revoked lease id (None: no registration, or one without a lease)."""
+        t = self.client.transactions
+        try:
+            _ok, resp = await self.client.transaction(compare=[], success=[
+                t.put(keys.etcd_admin(node).encode(),
+                      json.dumps({"state": state, "reason": reason, "ts": now_ms}).encode()),
+                t.get(keys.etcd_node(node).encode()),
+            ], failure=[])
+            rows = resp[1]
+            lease = int(rows[0][1].lease) if rows else 0
+            if not lease:
+                return None
+            try:
+                await self.client.revoke_lease(lease)
+            except aex.ClientError as e:
+                if "not found" not in str(e):  # expired meanwhile: nothing left to revoke
+                    raise
+            return lease
+        except aex.ClientError as e:
+            raise _translate(e) from None
 
     async def heartbeats(self) -> set[str]:
         try:
