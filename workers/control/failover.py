@@ -40,7 +40,6 @@ from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, DecisionEvent, ReleaseEvent, RequestEvent, ResultEvent, ResumeEvent, TokenEvent
 from pipeline.failover import LiveSequence, plan_migrations
 from pipeline.routing.views import NodeView
-from pipeline.stats import stream_id_key
 from streams import codec, keys
 from streams.errors import DecodeError
 from streams.runner import StreamProducer, connect
@@ -602,6 +601,14 @@ async def _search_request(ctx: FailoverContext, node: str, seq_id: str,
     return None
 
 
+DRAIN_CONSUMER = "failover-drain"
+"""The consumer (in the node's worker group) a drain reads the undelivered tail of a node's batch stream as: the read
+is a delivery, so the group's bookkeeping stays exact (its `lag`, which `remaining_work`, the cluster view and the
+metrics read) and an entry appended after it (a batcher whose view still listed the node) is still undelivered
+work that the monitor's redrive sees. Moving the group with XGROUP SETID instead left `lag` unknown (null), read as
+0: such an entry was lost."""
+
+
 @dataclass(frozen=True)
 class Unstarted:
     """What a node was handed and never finished: the requests, and the stream entries that carried them (to be
@@ -609,33 +616,42 @@ class Unstarted:
 
     requests: list[RequestEvent]
     pending_ids: list[str]
-    tail_id: str | None
+    """Every entry read: the group's pending entries and the undelivered tail (now pending under DRAIN_CONSUMER)."""
+
+
+def _id_str(i: Any) -> str:
+    return i.decode() if isinstance(i, bytes) else str(i)
 
 
 async def unstarted_requests(ctx: FailoverContext, node: str) -> Unstarted:
     """Requests in `node`'s batch stream that it has not finished: pending entries of its consumer group and
-    entries not delivered yet. Nothing is acknowledged here (see `release_unstarted`)."""
+    entries not delivered yet. The undelivered ones are delivered to DRAIN_CONSUMER (XREADGROUP, in the same round
+    trip as the pending entries' reads), so they stay pending until `release_unstarted` acknowledges them: a drain
+    that dies in between leaves them to the next one, and an entry appended afterwards is never skipped."""
     stream = keys.node_batches(node)
     try:
         groups = await ctx.r.xinfo_groups(stream)
     except aioredis.ResponseError:
-        return Unstarted([], [], None)
+        return Unstarted([], [])
     group = next((g for g in groups if g.get("name") in (keys.GROUP_WORKER, keys.GROUP_WORKER.encode())), None)
     if group is None:
-        return Unstarted([], [], None)
-    last = group.get("last-delivered-id")
-    last = last.decode() if isinstance(last, bytes) else str(last)
+        return Unstarted([], [])
     pending = await ctx.r.xpending_range(stream, keys.GROUP_WORKER, min="-", max="+", count=100_000)
-    ids = [p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"] for p in pending]
+    ids = [_id_str(p["message_id"]) for p in pending]
     pipe = ctx.r.pipeline(transaction=False)  # every pending entry and the undelivered tail in one round trip
     for i in ids:
         pipe.xrange(stream, min=i, max=i)
-    if last not in ("0-0", ""):
-        pipe.xrange(stream, min=f"({last}", max="+")
-    entries = [row for rows in (await pipe.execute() if len(pipe) else []) for row in rows]
+    pipe.xreadgroup(keys.GROUP_WORKER, DRAIN_CONSUMER, {stream: ">"}, count=100_000)
+    rows = await pipe.execute()
+    entries = [row for rs in rows[:-1] for row in rs]
+    tail = [row for _s, rs in (rows[-1] or []) for row in rs]
+    entries += tail
+    ids += [_id_str(eid) for eid, _f in tail]
     reqs: list[RequestEvent] = []
     seen: set[str] = set()
     for _eid, fields in entries:
+        if not fields:
+            continue
         try:
             ev = codec.decode(fields)
         except DecodeError:
@@ -645,26 +661,17 @@ async def unstarted_requests(ctx: FailoverContext, node: str) -> Unstarted:
             if q.request_id not in seen:
                 seen.add(q.request_id)
                 reqs.append(q)
-    tail = entries[-1][0] if entries else None
-    tail_id = tail.decode() if isinstance(tail, bytes) else tail
     done = await _done_set(ctx, [q.request_id for q in reqs])
-    return Unstarted([q for q in reqs if q.request_id not in done], ids, tail_id)
+    return Unstarted([q for q in reqs if q.request_id not in done], ids)
 
 
 async def release_unstarted(ctx: FailoverContext, node: str, unstarted: Unstarted) -> None:
-    """Acknowledge the entries `unstarted` read and move the group past them, so a restarted worker of the node
-    does not run them again. Called after their requests were requeued: a crash in between requeues them twice
-    (harmless: one final result per request, tokens deduplicated by index), never zero times."""
-    stream = keys.node_batches(node)
+    """Acknowledge the entries `unstarted` read (the pending ones and the tail it delivered to itself), so a
+    restarted worker of the node does not run them again. Called after their requests were requeued: a crash in
+    between requeues them twice (harmless: one final result per request, tokens deduplicated by index), never zero
+    times."""
     if unstarted.pending_ids:
-        await ctx.r.xack(stream, keys.GROUP_WORKER, *unstarted.pending_ids)
-    if unstarted.tail_id is not None:
-        info = await ctx.r.xinfo_groups(stream)
-        group = next((g for g in info if g.get("name") in (keys.GROUP_WORKER, keys.GROUP_WORKER.encode())), None)
-        last = group.get("last-delivered-id") if group else None
-        last = last.decode() if isinstance(last, bytes) else str(last or "0-0")
-        if stream_id_key(unstarted.tail_id) > stream_id_key(last):  # never move the group backwards
-            await ctx.r.xgroup_setid(stream, keys.GROUP_WORKER, unstarted.tail_id)
+        await ctx.r.xack(keys.node_batches(node), keys.GROUP_WORKER, *unstarted.pending_ids)
 
 
 async def _done_set(ctx: FailoverContext, ids: list[str]) -> set[str]:
@@ -804,4 +811,11 @@ async def remaining_work(seqs: SequenceRegistry, r: aioredis.Redis, node: str) -
     group = next((g for g in groups if g.get("name") in (keys.GROUP_WORKER, keys.GROUP_WORKER.encode())), None)
     if group is None:
         return owned, 0
-    return owned, int(group.get("pending") or 0) + int(group.get("lag") or 0)
+    lag = group.get("lag")
+    if lag is None:
+        # unknown: the group was moved with XGROUP SETID (as drains before DRAIN_CONSUMER did) or entries were
+        # deleted, and Valkey cannot count what lies past its last delivery; an entry there is still work (a
+        # request a batcher placed after the drain), so look: one XRANGE of at most one entry
+        last = _id_str(group.get("last-delivered-id") or "0-0")
+        lag = len(await r.xrange(stream, min=f"({last}", max="+", count=1) or [])
+    return owned, int(group.get("pending") or 0) + int(lag)
