@@ -304,6 +304,11 @@ class NodeSelectionPolicy(_Strict):
     """Policies a request may ask for."""
     refresh_ms: int = Field(default=200, ge=10, le=60_000)
     """How often node weights are refreshed from the nodes' live status."""
+    room_refresh_ms: int = Field(default=10, ge=1, le=60_000)
+    """While a batcher holds requests, how often it re-reads its own rack's node statuses (one round trip, no
+    etcd): a node that finished sequences says so in its status hash within `worker.room_status_ms`, and the window
+    closes on that room instead of waiting for the next full refresh. Measured: `rackflow bench pipeline`'s flood
+    was bound by the 200 ms refresh (README, Benchmarks)."""
     stale_ms: int = Field(default=3000, ge=50, le=600_000)
     """A node whose status is older than this is unavailable (never routed on an old weight)."""
     latency_decay_per_ms: float = Field(default=0.05, ge=0, le=10)
@@ -434,6 +439,9 @@ class WorkerPolicy(_Strict):
     at 3 s, and healthy nodes were marked dead)."""
     status_interval_ms: int = Field(default=200, ge=10, le=60_000)
     """How often the worker publishes its live status (HealthEvent + status hash)."""
+    room_status_ms: int = Field(default=10, ge=1, le=60_000)
+    """After a step that finished sequences (room for new ones), the worker rewrites its status hash, at most this
+    often (the hash only: the heartbeat on `rf:health` keeps its own schedule)."""
     max_running: int = Field(default=256, ge=1, le=100_000)
     """Most sequences an engine runs at once (vLLM's max_num_seqs)."""
     max_batched_tokens: int = Field(default=8192, ge=16, le=10_000_000)

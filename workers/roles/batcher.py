@@ -63,6 +63,8 @@ class Batcher:
         )
         self._lock = asyncio.Lock()
         self._arrived = asyncio.Event()
+        self._arrived_room = asyncio.Event()
+        """Requests arrived: the room watch (`_room_loop`) starts watching."""
         self._held: set[str] = set()
         self._offered: list[tuple[str, int, float]] = []
         self._to_ack: list[str] = []
@@ -89,6 +91,7 @@ class Batcher:
                 self.window.offer(PendingRequest(req, d.id, now))
                 self._offered.append((req.request_id, req.version, now))
         self._arrived.set()
+        self._arrived_room.set()
 
     def node_views(self, now: float) -> list[NodeView]:
         views = []
@@ -229,6 +232,32 @@ class Batcher:
             except TimeoutError:
                 pass
 
+    async def _room_loop(self, stop: asyncio.Event) -> None:
+        """While the window holds requests, re-read this rack's node statuses every `room_refresh_ms` and tick when
+        a node's status changed (its workers rewrite it when sequences finish): the window closes on fresh room, not
+        on the next full refresh. Idle, it only waits for requests."""
+        interval = self.config.policies.node_selection.room_refresh_ms / 1000.0
+        nodes = [n.name for r in self.config.cluster.racks if r.name == self.rack for n in r.expanded()]
+        while not stop.is_set():
+            if not self.window.pending_count:
+                self._arrived_room.clear()
+                try:
+                    await asyncio.wait_for(self._arrived_room.wait(), timeout=0.5)
+                except TimeoutError:
+                    pass
+                continue
+            before = {n: getattr(self.view.statuses.get(n), "ts_ms", None) for n in nodes}
+            try:
+                await self.view.refresh_statuses(nodes)
+            except Exception as e:
+                log.warning("rack %s: room refresh failed: %s", self.rack, e)
+            if any(getattr(self.view.statuses.get(n), "ts_ms", None) != before[n] for n in nodes):
+                self._arrived.set()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except TimeoutError:
+                pass
+
     def _export_metrics(self) -> None:
         """The weighted policy's W of each node of the rack as this batcher sees it (its reservations applied), and
         each node's share of the rack's W (its dispatch probability under `weighted`)."""
@@ -246,6 +275,7 @@ class Batcher:
         tasks = [
             asyncio.create_task(self._refresh_loop(stop)),
             asyncio.create_task(self._tick_loop(stop)),
+            asyncio.create_task(self._room_loop(stop)),
             asyncio.create_task(self.consumer.run()),
             asyncio.create_task(self.feed.run(stop)),
         ]

@@ -122,6 +122,8 @@ class Worker:
         """Releases waiting for the engine loop (it runs them between two steps: see `_release`)."""
         self._engine_task: asyncio.Task[None] | None = None
         self.completed = 0
+        self._room_published = 0.0
+        """When `_publish_room` last rewrote the status hash (time.monotonic())."""
         # metric children bound once (labels() on every step costs more than the increment)
         self._m_steps = metrics.ENGINE_STEPS.labels(node, engine_name)
         self._m_tokens = metrics.ENGINE_TOKENS.labels(node, engine_name)
@@ -517,6 +519,21 @@ class Worker:
             self.completed += len(results)
             done_ids = [r.request_id for r in results]
             await self._outage_safe("acknowledging batches", lambda: self._settle(done_ids))
+            await self._publish_room()
+
+    async def _publish_room(self) -> None:
+        """Sequences finished: there is room. Rewrite the status hash (not the heartbeat) at most every
+        `room_status_ms`, so that a batcher holding requests sees the room at once instead of at the next
+        heartbeat. A failure is left to the heartbeat, which rewrites it anyway."""
+        now = time.monotonic()
+        if now - self._room_published < self.config.policies.worker.room_status_ms / 1000.0:
+            return
+        self._room_published = now
+        try:
+            await self.r.hset(keys.node_status(self.node),
+                              mapping=codec.encode(self.health_event()))  # type: ignore[arg-type]
+        except (RedisConnectionError, RedisTimeoutError, BusyLoadingError) as e:
+            log.debug("node %s: room status not written (%s); the heartbeat will", self.node, e)
 
     async def _publish_blocks(self, cleared: bool = False) -> None:
         """What the engine's prefix cache stored and evicted since the last step, for the batchers' and routers'

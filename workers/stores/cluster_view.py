@@ -159,6 +159,25 @@ class ClusterView:
                 self.rack_pending_tokens[rack] = pending_tokens(await self.r.hgetall(keys.rack_status(rack)),
                                                                 self._now_ms(), self.stale_ms)
 
+    async def refresh_statuses(self, nodes: list[str]) -> None:
+        """Only the status hashes of `nodes` (one round trip, no etcd, no GPU hashes): a batcher watching its own
+        rack's room while it holds requests."""
+        if not nodes:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for n in nodes:
+            pipe.hgetall(keys.node_status(n))
+        for n, fields in zip(nodes, await pipe.execute(), strict=True):
+            if not fields:
+                continue
+            try:
+                ev = codec.decode(fields)
+            except DecodeError as e:
+                log.warning("node %s: undecodable status: %s", n, e)
+                continue
+            if isinstance(ev, HealthEvent):
+                self.statuses[n] = ev
+
     def _registration(self, node: str) -> Mapping[str, object] | None:
         if self._registry_seen:
             return self.registered.get(node)
