@@ -102,7 +102,7 @@ class RackAffinityRouter:
             return -hits.get(m, 0.0) + (v.work_per_node if by_work else 0.0) - (
                 self.affinity_tokens if m == primary else 0.0)
 
-        chosen = min(order, key=lambda m: (cost(m), order.index(m)))
+        chosen = order[min(range(len(order)), key=lambda i: (cost(order[i]), i))]  # ties: ring order
         if chosen == primary:
             reason = "affinity"
         elif hits.get(chosen, 0.0) > hits.get(primary, 0.0):
