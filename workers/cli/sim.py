@@ -32,6 +32,8 @@ def _common(args: argparse.Namespace, policy: str | None) -> tuple[RackflowConfi
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    if args.action == "validate":
+        return cmd_validate(args)
     default_trace(args)
     seed = args.seed
     if args.action == "run":
@@ -118,7 +120,7 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
 
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies")
-    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace"])
+    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate"])
     s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto; "
                                            "trace: multiturn")
     s.add_argument("--trace", default=None, help=f"trace file (default for azure: {AZURE_CONV.relative_to(REPO)})")
@@ -157,6 +159,28 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_sim)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """`rackflow sim validate`: the cost model's held-out error (fit on one profiled model, test on the other)."""
+    from pipeline.config import load_config
+    from workers.sim.perf import validate_report
+
+    out = validate_report(load_config(Path(args.config_dir)).gpus)
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    else:
+        for d in out["per_operator"]:
+            for arch, a in d["archs"].items():
+                print(f"fit {d['fit_model']} -> test {d['test_model']} [{arch}]")
+                for op, v in a["operators"].items():
+                    med = "n/a (not measured)" if v["median"] is None else f"{v['median']:.1%} (p90 {v['p90']:.1%})"
+                    print(f"  {op:<26} {med}")
+        print(f"median_op_error         {out['median_op_error']:.1%} (target {out['op_error_target']:.0%})")
+        dec = out["decode_per_token_error"]
+        print(f"decode_per_token_error  median {dec['median']:.1%}, p90 {dec['p90']:.1%}, max {dec['max']:.1%}, "
+              f"{dec['within_target']:.0%} of {dec['points']} points within {dec['target']:.0%}")
+    return 0 if out["ok"] else 1
 
 
 def default_trace(args: argparse.Namespace) -> None:

@@ -284,3 +284,17 @@ def format_perf(n: Mapping[str, Any]) -> str:
         f"  weights {n['weights_gb_per_gpu']:.1f} GB/GPU; KV room {n['kv_capacity_tokens']} tokens"
         + ("" if n["kv_fits"] else " (this batch's KV does NOT fit)"),
     ])
+
+
+# -- held-out validation (`rackflow sim validate`) ----------------------------------------------------------------
+PROFILED_LAYERS = {"Llama-2-7b-hf": 32, "Llama-2-70b-hf": 80}
+"""Layer count of each profiled model (the profiles time one layer)."""
+
+
+def validate_report(gpus: Mapping[str, GpuSpec], root: Path = PROFILE_DIR) -> dict[str, Any]:
+    """Fit on one profiled model, score on the other, both ways (pipeline/costmodel/validate.py)."""
+    from pipeline.costmodel.validate import held_out
+
+    profiles = read_profiles(gpus, root)
+    net = [r for p in sorted(root.glob("network/*_dgx/all_reduce.csv")) for r in read_all_reduce_rows(p)]
+    return held_out(profiles.rows, net, profiles.devices, PROFILED_LAYERS)
