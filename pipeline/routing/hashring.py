@@ -17,7 +17,8 @@ def stable_hash64(data: str) -> int:
 
 
 WALK_CACHE = 50_000
-"""Keys whose ring order a HashRing remembers (then it starts over): 50 k users x a tuple of the racks: 65 MB at 160 racks."""
+"""Keys whose ring order a HashRing remembers (then it starts over): 50 k users x a tuple of the racks, about
+65 MB at 160 racks."""
 
 
 class HashRing:
