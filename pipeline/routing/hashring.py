@@ -35,17 +35,21 @@ class HashRing:
         self._owners = [m for _, m in points]
         self._walks: dict[str, tuple[str, ...]] = {}
 
-    def walk(self, key: str) -> list[str]:
-        """Distinct members in ring order starting at the key's position (a fresh list; the order is remembered
-        per key, up to WALK_CACHE keys: a ring never changes, and a cluster routes the same users again and
-        again, so a 160-rack ring is walked once per user, not once per request)."""
+    def order(self, key: str) -> tuple[str, ...]:
+        """`walk` without the copy (the remembered tuple itself)."""
         cached = self._walks.get(key)
         if cached is None:
             cached = self._walk(key)
             if len(self._walks) >= WALK_CACHE:
                 self._walks.clear()
             self._walks[key] = cached
-        return list(cached)
+        return cached
+
+    def walk(self, key: str) -> list[str]:
+        """Distinct members in ring order starting at the key's position (a fresh list; the order is remembered
+        per key, up to WALK_CACHE keys: a ring never changes, and a cluster routes the same users again and
+        again, so a 160-rack ring is walked once per user, not once per request)."""
+        return list(self.order(key))
 
     def _walk(self, key: str) -> tuple[str, ...]:
         start = bisect.bisect(self._keys, stable_hash64(key)) % len(self._keys)

@@ -62,54 +62,68 @@ class RackAffinityRouter:
         ring = self._rings.get(model)
         if ring is None:
             raise KeyError(f"no rack serves model {model!r}; served: {', '.join(self.models())}")
-        views = [racks[m] for m in ring.members if m in racks]
-        healthy = [v for v in views if v.healthy]
+        # One pass over the racks (a 160-rack cluster routes every request through this): the healthy ones, and
+        # both means, summed in ring-member order as before so that every decision (and its replay) is the same.
+        healthy: list[RackView] = []
+        by_work = True
+        work_sum = 0.0
+        load_sum = 0.0
+        for m in ring.members:
+            v = racks.get(m)
+            if v is None or not v.healthy:
+                continue
+            healthy.append(v)
+            load_sum += v.load
+            if v.nodes > 0:
+                work_sum += v.work / v.nodes
+            else:
+                by_work = False
         primary = ring.primary(user_id)
         if not healthy:
             return RouteDecision(None, primary, "no healthy rack")
-        by_work = all(v.nodes > 0 for v in healthy)
         if by_work:
-            mean = sum(v.work_per_node for v in healthy) / len(healthy)
-            bound = self.load_bound * mean + self.work_slack
+            bound = self.load_bound * (work_sum / len(healthy)) + self.work_slack
 
             def load(v: RackView) -> float:
-                return v.work_per_node
+                return v.work / v.nodes if v.nodes > 0 else 0.0
         else:
-            mean = sum(v.load for v in healthy) / len(healthy)
-            bound = self.load_bound * mean + self.load_slack
+            bound = self.load_bound * (load_sum / len(healthy)) + self.load_slack
 
             def load(v: RackView) -> float:
                 return v.load
 
-        def ok(m: str) -> bool:
-            v = racks.get(m)
-            return v is not None and v.healthy and load(v) <= bound
-
         if not self.prefix_aware:
-            chosen = ring.lookup(user_id, ok)
-            if chosen is None:  # every healthy rack is over the bound: least loaded healthy rack
-                chosen = min(healthy, key=lambda v: (load(v), v.name)).name
-                return RouteDecision(chosen, primary, "all racks over load bound")
-            return RouteDecision(chosen, primary, "affinity" if chosen == primary else "walked")
-        order = [m for m in ring.walk(user_id) if ok(m)]
-        if not order:
-            chosen = min(healthy, key=lambda v: (load(v) - (cached or {}).get(v.name, 0.0), v.name)).name
+            for m in ring.order(user_id):
+                v = racks.get(m)
+                if v is not None and v.healthy and load(v) <= bound:
+                    return RouteDecision(m, primary, "affinity" if m == primary else "walked")
+            # every healthy rack is over the bound: least loaded healthy rack
+            chosen = min(healthy, key=lambda v: (load(v), v.name)).name
             return RouteDecision(chosen, primary, "all racks over load bound")
         hits = cached or {}
-
-        def cost(m: str) -> float:
-            v = racks[m]
-            return -hits.get(m, 0.0) + (v.work_per_node if by_work else 0.0) - (
-                self.affinity_tokens if m == primary else 0.0)
-
-        chosen = order[min(range(len(order)), key=lambda i: (cost(order[i]), i))]  # ties: ring order
-        if chosen == primary:
+        aff = self.affinity_tokens
+        chosen_m: str | None = None
+        best = 0.0
+        for m in ring.order(user_id):  # the cheapest acceptable rack; ties go to the first in ring order
+            v = racks.get(m)
+            if v is None or not v.healthy:
+                continue
+            lv = load(v)
+            if lv > bound:
+                continue
+            c = -hits.get(m, 0.0) + (lv if by_work else 0.0) - (aff if m == primary else 0.0)
+            if chosen_m is None or c < best:
+                chosen_m, best = m, c
+        if chosen_m is None:
+            chosen = min(healthy, key=lambda v: (load(v) - hits.get(v.name, 0.0), v.name)).name
+            return RouteDecision(chosen, primary, "all racks over load bound")
+        if chosen_m == primary:
             reason = "affinity"
-        elif hits.get(chosen, 0.0) > hits.get(primary, 0.0):
+        elif hits.get(chosen_m, 0.0) > hits.get(primary, 0.0):
             reason = "prefix"
         else:
             reason = "walked"
-        return RouteDecision(chosen, primary, reason)
+        return RouteDecision(chosen_m, primary, reason)
 
 
 def keeps_prefix_cache(enabled: bool, min_tokens: int, in_tokens: int, decision: RouteDecision, asked: bool) -> bool:
