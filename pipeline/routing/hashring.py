@@ -34,6 +34,40 @@ class HashRing:
         self._keys = [p for p, _ in points]
         self._owners = [m for _, m in points]
         self._walks: dict[str, tuple[str, ...]] = {}
+        self._points_of: dict[str, list[int]] = {m: [] for m in self.members}
+        """Each member's ring positions (indexes into the sorted points), ascending."""
+        for i, m in enumerate(self._owners):
+            self._points_of[m].append(i)
+
+    def start(self, key: str) -> int:
+        """The ring position a key starts its walk at."""
+        return bisect.bisect(self._keys, stable_hash64(key)) % len(self._keys)
+
+    def owner_at(self, position: int) -> str:
+        return self._owners[position]
+
+    def distance(self, position: int, member: str) -> int:
+        """How many ring points a walk from `position` passes before it reaches `member` (its ring order: members
+        sorted by distance are `walk`'s order). O(log virtual_nodes), no walk."""
+        idx = self._points_of[member]
+        j = bisect.bisect_left(idx, position)
+        return idx[j] - position if j < len(idx) else idx[0] + len(self._owners) - position
+
+    def first_from(self, position: int, accept: Callable[[str], bool]) -> str | None:
+        """The first member from `position` on that `accept`s (the walk stops there: usually the first point)."""
+        owners = self._owners
+        n = len(owners)
+        tried: set[str] = set()
+        for i in range(position, position + n):
+            m = owners[i - n] if i >= n else owners[i]
+            if m in tried:
+                continue
+            if accept(m):
+                return m
+            tried.add(m)
+            if len(tried) == len(self.members):
+                break
+        return None
 
     def order(self, key: str) -> tuple[str, ...]:
         """`walk` without the copy (the remembered tuple itself)."""
@@ -71,7 +105,4 @@ class HashRing:
 
     def lookup(self, key: str, accept: Callable[[str], bool] = lambda _m: True) -> str | None:
         """First member on the ring from the key's position that `accept`s, or None if none does."""
-        for m in self.walk(key):
-            if accept(m):
-                return m
-        return None
+        return self.first_from(self.start(key), accept)

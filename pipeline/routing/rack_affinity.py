@@ -65,6 +65,7 @@ class RackAffinityRouter:
         # One pass over the racks (a 160-rack cluster routes every request through this): the healthy ones, and
         # both means, summed in ring-member order as before so that every decision (and its replay) is the same.
         healthy: list[RackView] = []
+        names: list[str] = []
         by_work = True
         work_sum = 0.0
         load_sum = 0.0
@@ -73,12 +74,14 @@ class RackAffinityRouter:
             if v is None or not v.healthy:
                 continue
             healthy.append(v)
+            names.append(m)
             load_sum += v.load
             if v.nodes > 0:
                 work_sum += v.work / v.nodes
             else:
                 by_work = False
-        primary = ring.primary(user_id)
+        pos = ring.start(user_id)
+        primary = ring.owner_at(pos)
         if not healthy:
             return RouteDecision(None, primary, "no healthy rack")
         if by_work:
@@ -93,27 +96,32 @@ class RackAffinityRouter:
                 return v.load
 
         if not self.prefix_aware:
-            for m in ring.order(user_id):
+            def ok(m: str) -> bool:
                 v = racks.get(m)
-                if v is not None and v.healthy and load(v) <= bound:
-                    return RouteDecision(m, primary, "affinity" if m == primary else "walked")
+                return v is not None and v.healthy and load(v) <= bound
+
+            found = ring.first_from(pos, ok)
+            if found is not None:
+                return RouteDecision(found, primary, "affinity" if found == primary else "walked")
             # every healthy rack is over the bound: least loaded healthy rack
             chosen = min(healthy, key=lambda v: (load(v), v.name)).name
             return RouteDecision(chosen, primary, "all racks over load bound")
         hits = cached or {}
         aff = self.affinity_tokens
-        chosen_m: str | None = None
+        # the cheapest acceptable rack; ties go to the first in ring order (its distance from the key's position:
+        # no walk of the ring, which costs as much as the racks times their virtual nodes)
+        ties: list[str] = []
         best = 0.0
-        for m in ring.order(user_id):  # the cheapest acceptable rack; ties go to the first in ring order
-            v = racks.get(m)
-            if v is None or not v.healthy:
-                continue
+        for m, v in zip(names, healthy, strict=True):
             lv = load(v)
             if lv > bound:
                 continue
             c = -hits.get(m, 0.0) + (lv if by_work else 0.0) - (aff if m == primary else 0.0)
-            if chosen_m is None or c < best:
-                chosen_m, best = m, c
+            if not ties or c < best:
+                ties, best = [m], c
+            elif c == best:
+                ties.append(m)
+        chosen_m = (ties[0] if len(ties) == 1 else min(ties, key=lambda m: ring.distance(pos, m))) if ties else None
         if chosen_m is None:
             chosen = min(healthy, key=lambda v: (load(v) - hits.get(v.name, 0.0), v.name)).name
             return RouteDecision(chosen, primary, "all racks over load bound")
