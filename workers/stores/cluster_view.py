@@ -93,6 +93,19 @@ def pending_tokens(fields: Mapping[bytes | str, bytes | str], now_ms: float, sta
     return total
 
 
+def _keep_status(table: dict[str, HealthEvent], node: str, fields: Mapping[bytes, bytes] | None) -> None:
+    """Put a node's status hash, decoded, in `table` (an empty or undecodable one keeps what was there)."""
+    if not fields:
+        return
+    try:
+        ev = codec.decode(fields)
+    except DecodeError as e:
+        log.warning("node %s: undecodable status: %s", node, e)
+        return
+    if isinstance(ev, HealthEvent):
+        table[node] = ev
+
+
 @dataclass
 class ClusterView:
     config: RackflowConfig
@@ -130,16 +143,8 @@ class ClusterView:
             pipe.hgetall(keys.node_gpu(n))
         rows = await pipe.execute()
         for i, n in enumerate(names):
-            for fields, table in ((rows[2 * i], self.statuses), (rows[2 * i + 1], self.gpus)):
-                if not fields:
-                    continue
-                try:
-                    ev = codec.decode(fields)
-                except DecodeError as e:
-                    log.warning("node %s: undecodable status: %s", n, e)
-                    continue
-                if isinstance(ev, HealthEvent):
-                    table[n] = ev
+            _keep_status(self.statuses, n, rows[2 * i])
+            _keep_status(self.gpus, n, rows[2 * i + 1])
         if with_backlog:
             for rack in racks or self.config.rack_names():
                 try:
@@ -168,15 +173,7 @@ class ClusterView:
         for n in nodes:
             pipe.hgetall(keys.node_status(n))
         for n, fields in zip(nodes, await pipe.execute(), strict=True):
-            if not fields:
-                continue
-            try:
-                ev = codec.decode(fields)
-            except DecodeError as e:
-                log.warning("node %s: undecodable status: %s", n, e)
-                continue
-            if isinstance(ev, HealthEvent):
-                self.statuses[n] = ev
+            _keep_status(self.statuses, n, fields)
 
     def _registration(self, node: str) -> Mapping[str, object] | None:
         if self._registry_seen:
