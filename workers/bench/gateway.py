@@ -177,6 +177,26 @@ async def open_loop(url: str, rate: float, duration_s: float, max_tokens: int = 
     return outcomes
 
 
+async def shown_closed_loop(url: str, clients: int, duration_s: float, max_tokens: int, stream_every: int,
+                            bar: tqdm[Any], label: str) -> list[Outcome]:
+    """`closed_loop`, advancing `bar` by one per second of the run with the req/s so far (the bench's progress)."""
+    done = [0]
+
+    def tick(_o: Outcome) -> None:
+        done[0] += 1
+
+    task = asyncio.create_task(closed_loop(url, clients, duration_s, max_tokens, stream_every, tick))
+    shown = 0
+    while not task.done():
+        await asyncio.sleep(1.0)
+        if shown < duration_s:
+            bar.update(1)
+            shown += 1
+            bar.set_postfix_str(f"{label} {done[0] / shown:.0f} req/s")
+    bar.update(max(0, round(duration_s) - shown))
+    return await task
+
+
 def summarize(outcomes: list[Outcome], window_s: float) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     lat = [o.latency_s * 1000 for o in ok]
@@ -335,26 +355,10 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
             total = (repeats + 1) * duration_s
             bar = tqdm(total=round(total), desc="bench gateway", unit="s", disable=not progress, file=sys.stderr)
             for k in range(repeats + 1):  # run 0 warms up (connections, caches), not counted
-                done = [0]
-
-                def tick(_o: Outcome, done: list[int] = done) -> None:
-                    done[0] += 1
-
-                async def measured(done: list[int] = done, k: int = k) -> list[Outcome]:
-                    task = asyncio.create_task(closed_loop(url, clients, duration_s, max_tokens, stream_every, tick))
-                    shown = 0
-                    while not task.done():
-                        await asyncio.sleep(1.0)
-                        if shown < duration_s:
-                            bar.update(1)
-                            shown += 1
-                            bar.set_postfix_str(f"run {k}/{repeats} {done[0] / shown:.0f} req/s")
-                    bar.update(max(0, round(duration_s) - shown))
-                    return await task
-
                 t0 = time.monotonic()
                 cpu0 = cpu_snapshot(procs, redis_url)
-                outcomes = run_async(measured())
+                outcomes = run_async(shown_closed_loop(url, clients, duration_s, max_tokens, stream_every, bar,
+                                                       f"run {k}/{repeats}"))
                 cpu1 = cpu_snapshot(procs, redis_url)
                 window = max(duration_s, max((o.start + o.latency_s for o in outcomes), default=t0) - t0)
                 if k > 0:

@@ -27,7 +27,6 @@ than the server the req/s are the load generator's ceiling, not the server's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import fcntl
 import importlib.metadata
@@ -53,7 +52,7 @@ from tqdm import tqdm
 
 from pipeline.errors import RackflowError
 from pipeline.stats import percentile
-from workers.bench.gateway import MODEL, Outcome, closed_loop, summarize
+from workers.bench.gateway import MODEL, Outcome, process_cpu_s, shown_closed_loop, summarize
 from workers.local.supervise import LOOPBACK, ServiceError, _log_tail, _ServerProcess, free_port
 from workers.shell.runtime import run_async
 
@@ -304,13 +303,7 @@ def ensure_smg(progress: bool = True, timeout_s: float = 600.0) -> Path:
 
 def _cpu_s(pid: int | None) -> float:
     """CPU seconds (user + system, all threads) that process `pid` has used so far; 0.0 when it is gone."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+    return (process_cpu_s(pid) or 0.0) if pid is not None else 0.0
 
 
 def _cpu_by_role(roles: dict[str, Sequence[_HttpProcess]]) -> dict[str, float]:
@@ -340,25 +333,9 @@ def _measure(url: str, roles: dict[str, Sequence[_HttpProcess]], clients: int, d
                file=sys.stderr)
     try:
         for k in range(repeats + 1):
-            done = [0]
-
-            def tick(_o: Outcome, done: list[int] = done) -> None:
-                done[0] += 1
-
-            async def measured(done: list[int] = done, k: int = k) -> list[Outcome]:
-                task = asyncio.create_task(closed_loop(url, clients, duration_s, max_tokens, stream_every, tick))
-                shown = 0
-                while not task.done():
-                    await asyncio.sleep(1.0)
-                    if shown < duration_s:
-                        bar.update(1)
-                        shown += 1
-                        bar.set_postfix_str(f"run {k}/{repeats} {done[0] / shown:.0f} req/s")
-                bar.update(max(0, round(duration_s) - shown))
-                return await task
-
             t0, cpu0 = time.monotonic(), _cpu_by_role(roles)
-            outcomes = run_async(measured())
+            outcomes = run_async(shown_closed_loop(url, clients, duration_s, max_tokens, stream_every, bar,
+                                                   f"run {k}/{repeats}"))
             cpu = {r: c - cpu0[r] for r, c in _cpu_by_role(roles).items()}
             window = max(duration_s, max((o.start + o.latency_s for o in outcomes), default=t0) - t0)
             if k > 0:
