@@ -235,12 +235,16 @@ class Batcher:
     async def _room_loop(self, stop: asyncio.Event) -> None:
         """While the window holds requests, re-read this rack's node statuses every `room_refresh_ms` and tick when
         a node's status changed (its workers rewrite it when sequences finish): the window closes on fresh room, not
-        on the next full refresh. Idle, it only waits for requests."""
-        interval = self.config.policies.node_selection.room_refresh_ms / 1000.0
+        on the next full refresh. While no status changes, the interval doubles up to `refresh_ms` (a rack whose
+        nodes are full on long sequences is not read 100 times a second). Idle, it only waits for requests."""
+        fast = self.config.policies.node_selection.room_refresh_ms / 1000.0
+        slow = max(fast, self.config.policies.node_selection.refresh_ms / 1000.0)
+        interval = fast
         nodes = [n.name for r in self.config.cluster.racks if r.name == self.rack for n in r.expanded()]
         while not stop.is_set():
             if not self.window.pending_count:
                 self._arrived_room.clear()
+                interval = fast
                 try:
                     await asyncio.wait_for(self._arrived_room.wait(), timeout=0.5)
                 except TimeoutError:
@@ -253,6 +257,9 @@ class Batcher:
                 log.warning("rack %s: room refresh failed: %s", self.rack, e)
             if any(getattr(self.view.statuses.get(n), "ts_ms", None) != before[n] for n in nodes):
                 self._arrived.set()
+                interval = fast
+            else:  # nothing changed (nodes full and busy on long sequences): read less, up to the full refresh
+                interval = min(slow, interval * 2)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import BusyLoadingError
+from redis.exceptions import BusyLoadingError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -124,6 +124,8 @@ class Worker:
         self.completed = 0
         self._room_published = 0.0
         """When `_publish_room` last rewrote the status hash (time.monotonic())."""
+        self._room_later: asyncio.Task[None] | None = None
+        """A rewrite due at the end of the current `room_status_ms` interval."""
         # metric children bound once (labels() on every step costs more than the increment)
         self._m_steps = metrics.ENGINE_STEPS.labels(node, engine_name)
         self._m_tokens = metrics.ENGINE_TOKENS.labels(node, engine_name)
@@ -523,16 +525,22 @@ class Worker:
 
     async def _publish_room(self) -> None:
         """Sequences finished: there is room. Rewrite the status hash (not the heartbeat) at most every
-        `room_status_ms`, so that a batcher holding requests sees the room at once instead of at the next
-        heartbeat. A failure is left to the heartbeat, which rewrites it anyway."""
-        now = time.monotonic()
-        if now - self._room_published < self.config.policies.worker.room_status_ms / 1000.0:
-            return
-        self._room_published = now
+        `room_status_ms`: at once when the last rewrite is that old, otherwise once at the end of the interval (a
+        completion is never left to the next heartbeat), so that a batcher holding requests sees the room at once."""
+        wait = self._room_published + self.config.policies.worker.room_status_ms / 1000.0 - time.monotonic()
+        if wait <= 0:
+            await self._write_room()
+        elif self._room_later is None or self._room_later.done():
+            self._room_later = asyncio.create_task(self._write_room(wait), name="room-status")
+
+    async def _write_room(self, after_s: float = 0.0) -> None:
+        if after_s > 0:
+            await asyncio.sleep(after_s)
+        self._room_published = time.monotonic()
         try:
             await self.r.hset(keys.node_status(self.node),
                               mapping=codec.encode(self.health_event()))  # type: ignore[arg-type]
-        except (RedisConnectionError, RedisTimeoutError, BusyLoadingError) as e:
+        except RedisError as e:  # an outage, or an ACL without the grant: the heartbeat writes it (and says why)
             log.debug("node %s: room status not written (%s); the heartbeat will", self.node, e)
 
     async def _publish_blocks(self, cleared: bool = False) -> None:
