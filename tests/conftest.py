@@ -29,7 +29,10 @@ def services(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     if redis_url and etcd_url:
         yield ServiceEndpoints(redis_url, etcd_url)
         return
-    svc = EmbeddedServices(tmp_path_factory.mktemp("services"))
+    # no fsync for the suite's throwaway etcd: on this machine kind its WAL fdatasync stalls for seconds while vLLM
+    # workers and the suite load the disk (measured: "slow fdatasync" 2.2 s in the vLLM tier; an etcd silent ~12 s in
+    # CI, which expired healthy workers' leases and failed tests/vllm/test_failover.py twice)
+    svc = EmbeddedServices(tmp_path_factory.mktemp("services"), etcd_args=["--unsafe-no-fsync"])
     ep = svc.start()
     try:
         yield ServiceEndpoints(redis_url or ep.redis_url, etcd_url or ep.etcd_url)

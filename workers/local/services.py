@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -111,15 +112,19 @@ class EmbeddedServices:
     ``durable``: run Valkey with the append-only file and this fsync policy (:func:`valkey_durable_args`); its
     data dir ``state_dir/valkey`` is kept, so the next durable start reloads what it held.
 
+    ``etcd_args``: extra etcd options (the test suite's `--unsafe-no-fsync`: its throwaway store must not stall for
+    seconds on a disk that vLLM and the suite keep busy).
+
     ``secure``: a random password per role user of deploy/valkey/users.acl.example (and for ``ADMIN_USER``), an
     ACL file ``state_dir/users.acl`` (0600) that Valkey loads with the default user off; services.json (0600)
     then holds ``redis_url`` as the admin user and ``role_urls``: ``{"router": "redis://rf-router:PASS@..."}``."""
 
     def __init__(
         self, state_dir: Path = Path(".rackflow"), *, durable: AppendFsync | None = None, secure: bool = False,
-        detach: bool = False,
+        detach: bool = False, etcd_args: Sequence[str] = (),
     ) -> None:
         self.state_dir = Path(state_dir).resolve()
+        self.etcd_args = tuple(etcd_args)
         self.state_file = self.state_dir / STATE_FILE
         self.durable: AppendFsync | None = durable
         self.secure = secure
@@ -196,7 +201,7 @@ class EmbeddedServices:
             u.removeprefix("rf-"): valkey.url_for(u, p) for u, p in passwords.items() if u != ADMIN_USER
         }
         try:
-            etcd = EtcdProcess(self.state_dir / "etcd")
+            etcd = EtcdProcess(self.state_dir / "etcd", extra_args=self.etcd_args)
             etcd.die_with_parent = not self.detach
             etcd.start(timeout_s=max(1.0, deadline - time.monotonic()))
         except BaseException:

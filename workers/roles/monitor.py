@@ -71,6 +71,9 @@ class Monitor:
         self.hb_dead: set[str] = set()
         """Nodes this monitor declared dead on their heartbeats: a registration alone does not bring one back, its
         heartbeats must flow again too (a stalled worker re-registers the moment it wakes)."""
+        self.health_pending: dict[str, bool] = {}
+        """node -> draining: a change of a node's health verdict not yet applied (its etcd write failed). The scorer
+        reports a change once; kept here, it is applied at the node's next sample instead of being lost."""
         celery_app.configure(config, redis_url, etcd_url)
 
     def _new_watch(self) -> HeartbeatWatch | None:
@@ -162,11 +165,21 @@ class Monitor:
                 nvlink_crc_errors=ev.nvlink_crc_errors, temp_c=ev.temp_c, avg_latency_ms=ev.avg_latency_ms,
             ))
             metrics.HEALTH_SCORE.labels(ev.node).set(verdict.score)
-            if verdict.changed:
-                trigger = NodeTrigger.UNHEALTHY if verdict.draining else NodeTrigger.RECOVERED
-                why = (f"health {verdict.score:.2f}: {', '.join(verdict.reasons)}" if verdict.draining
-                       else f"recovered, health {verdict.score:.2f}")
-                await self._transition(ev.node, trigger, why, {"score": verdict.score} if verdict.draining else {})
+            if verdict.changed:  # the scorer says so once: kept until applied (etcd may not answer right now)
+                self.health_pending[ev.node] = verdict.draining
+            if ev.node not in self.health_pending:
+                continue
+            draining = self.health_pending[ev.node]
+            trigger = NodeTrigger.UNHEALTHY if draining else NodeTrigger.RECOVERED
+            why = (f"health {verdict.score:.2f}: {', '.join(verdict.reasons) or 'earlier samples'}" if draining
+                   else f"recovered, health {verdict.score:.2f}")
+            try:
+                await self._transition(ev.node, trigger, why, {"score": verdict.score} if draining else {})
+            except EtcdStoreError as e:
+                log.warning("monitor: node %s health verdict (%s) not applied, etcd unavailable (%s); tried again "
+                            "at its next sample", ev.node, "draining" if draining else "recovered", e)
+                continue
+            del self.health_pending[ev.node]
 
     # -- liveness ----------------------------------------------------------------------------------------------
     async def check_heartbeats(self) -> None:
