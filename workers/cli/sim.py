@@ -155,6 +155,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--faults", default=None, help="NODE@SECONDS:KIND[:DURATION_S[:FACTOR]],... "
                                                   "KIND death|xid|slow")
     s.add_argument("--seed", type=int, default=20231116)
+    s.add_argument("--live", choices=["auto", "on", "off"], default="auto",
+                   help="validate: also run a trace through the live pipeline on vLLM's CPU engine and through the "
+                        "simulator fitted to it (auto: when .venv-vllm exists; on: fail without it)")
+    s.add_argument("--live-requests", type=int, default=120, help="validate: requests of the live-vs-sim run")
+    s.add_argument("--live-load", type=float, default=0.35, help="validate: the live run's load, a fraction of the "
+                                                                "node's simulated capacity")
     s.add_argument("--out", default=None, help="directory for JSON and PNG output")
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-progress", action="store_true")
@@ -167,6 +173,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from workers.sim.perf import validate_report
 
     out = validate_report(load_config(Path(args.config_dir)).gpus)
+    live = _live_check(args)
+    if live is not None:
+        out["live_vs_sim"] = live
+        if "live_p99_error" in live:
+            out["live_p99_error"] = live["live_p99_error"]
+            out["live_p50_error"] = live["live_p50_error"]
+            out["live_error_target"] = LIVE_ERROR_TARGET
+            out["ok"] = bool(out["ok"] and live["live_p99_error"] <= LIVE_ERROR_TARGET)
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:
@@ -180,7 +194,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
         dec = out["decode_per_token_error"]
         print(f"decode_per_token_error  median {dec['median']:.1%}, p90 {dec['p90']:.1%}, max {dec['max']:.1%}, "
               f"{dec['within_target']:.0%} of {dec['points']} points within {dec['target']:.0%}")
+        if live is not None and "figures" in live:
+            print(f"live vs sim (vLLM CPU engine, {live['requests']} requests at {live['load']:.0%} load):")
+            for k, v in live["figures"].items():
+                print(f"  {k:<9} live {v['live_ms']:>9.1f} ms  sim {v['sim_ms']:>9.1f} ms  error {v['error']:.1%}")
+            print(f"live_p99_error          {live['live_p99_error']:.1%} (target {LIVE_ERROR_TARGET:.0%})")
+        elif live is not None:
+            print(f"live vs sim: not run ({live['skipped']})")
     return 0 if out["ok"] else 1
+
+
+LIVE_ERROR_TARGET = 0.15
+
+
+def _live_check(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The engine-vs-sim run of `rackflow sim validate` (workers/sim/live_check.py), or why it did not run."""
+    if args.live == "off":
+        return None
+    from workers.local.launcher import vllm_python
+
+    try:
+        vllm_python()
+    except RuntimeError as e:
+        if args.live == "on":
+            raise SystemExit(f"rackflow sim validate --live on: {e}") from None
+        return {"skipped": str(e)}
+    from workers.sim.live_check import live_vs_sim
+
+    return live_vs_sim(args.live_requests, args.live_load, progress=not args.no_progress,
+                       keep_dir=Path(args.out) if args.out else None)
 
 
 def default_trace(args: argparse.Namespace) -> None:

@@ -1,0 +1,50 @@
+"""The linear step cost fitted to the vLLM engine's measured iterations (workers/engines/vllm_profile.py): the fit
+recovers known coefficients, drops a negative one, and the O(1) decode spans agree with step-by-step sums."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workers.engines.vllm_profile import LinearStepCost, StepSample, fit_linear
+
+
+def test_fit_recovers_the_coefficients_of_noisy_samples() -> None:
+    true = LinearStepCost(3.0, 0.02, 0.15, 0.0004)
+    rng = random.Random(1)
+    samples = []
+    for p in (16, 64, 256, 1024, 2048):
+        samples.append(StepSample(p, 0, 0, true.step_ms([p], 0, 0) * rng.uniform(0.97, 1.03)))
+    for b in (1, 2, 4, 8, 16, 32):
+        for kv in (32, 800):
+            samples.append(StepSample(0, b, b * kv, true.step_ms([], b, b * kv) * rng.uniform(0.97, 1.03)))
+    cost, quality = fit_linear(samples)
+    assert cost.base_ms == pytest.approx(3.0, rel=0.1)
+    assert cost.per_prefill_token_ms == pytest.approx(0.02, rel=0.1)
+    assert cost.per_decode_seq_ms == pytest.approx(0.15, rel=0.2)
+    assert cost.per_kv_token_ms == pytest.approx(0.0004, rel=0.3)
+    assert quality["median_rel_error"] < 0.03
+
+
+def test_a_coefficient_the_data_makes_negative_is_dropped_and_the_rest_refitted() -> None:
+    # decode gets cheaper with more sequences in these samples: no negative cost per sequence, the base absorbs it
+    samples = [StepSample(0, b, 0, 5.0 - 0.01 * b) for b in (1, 2, 4, 8)] + [StepSample(p, 0, 0, 5.0 + 0.01 * p)
+                                                                            for p in (100, 200, 400)]
+    cost, _ = fit_linear(samples)
+    assert cost.per_decode_seq_ms == 0.0
+    assert cost.base_ms == pytest.approx(5.0, abs=0.1) and cost.per_prefill_token_ms == pytest.approx(0.01, rel=0.2)
+
+
+def test_decode_span_and_steps_within_match_the_step_by_step_sum() -> None:
+    cost = LinearStepCost(2.0, 0.01, 0.1, 0.001)
+    for n, kv0, steps in ((1, 10, 1), (4, 400, 37), (16, 16_000, 250)):
+        direct = sum(cost.step_ms([], n, kv0 + k * n) for k in range(steps))
+        assert cost.decode_span_ms(n, kv0, steps) == pytest.approx(direct, rel=1e-9)
+        budget = direct + 1e-6
+        assert cost.decode_steps_within(n, kv0, budget) == steps
+        assert cost.decode_steps_within(n, kv0, direct - 0.5 * cost.step_ms([], n, kv0)) == steps - 1
+    assert cost.step_ms([], 0, 0) == 0.0
+    assert cost.decode_steps_within(2, 0, 0.0) == 0
+    with pytest.raises(ValueError, match="n >= 1"):
+        cost.decode_steps_within(0, 0, 10.0)

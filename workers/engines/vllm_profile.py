@@ -1,0 +1,238 @@
+"""Step-time profile of the real vLLM engine, and the linear step cost the simulator fits to it (issue 17: the
+simulator checked against a real engine).
+
+`python -m workers.engines.vllm_profile --config-dir DIR [--config FILE] --json` runs in an interpreter with vLLM
+(`.venv-vllm`). It builds the engine exactly as a `vllm` worker does (`VllmEngine`'s arguments: the config's
+`policies.worker.vllm`, its engine core in its own process as in a worker), then times single engine iterations of
+known composition:
+- prefill: one prompt of P tokens (P over PREFILL_TOKENS), and batches of prompts prefilled in one iteration;
+- decode: B sequences (B over DECODE_BATCHES) decoding together, at short and long context.
+A phase is timed as a whole, from `add_request` to every request's first token (the prefill iteration, intake
+included) and from there to the last finish (the decode iterations): single `step()` returns of vLLM's `LLMEngine`
+are not single iterations of its engine core (the frontend reads ahead or behind). Every prompt has its own token
+ids, so nothing is served from the prefix cache.
+
+`fit_linear` fits `step_ms = base + per_prefill_token x prefill tokens + per_decode_seq x decode sequences +
+per_kv_token x KV tokens read by decode` by least squares (coefficients clipped at 0), and `LinearStepCost` is that
+model behind the simulator's `StepCost` protocol (`pipeline.sim.node`). Both are pure and run in any environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048)
+PREFILL_BATCHES = ((4, 128), (8, 256), (16, 64))
+"""(prompts, tokens each) prefilled in one iteration."""
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+DECODE_PROMPTS = (32, 768)
+"""Prompt tokens of the decoding sequences (short and long context: the KV term)."""
+DECODE_STEPS = 48
+REPEATS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    prefill_tokens: int
+    decode_seqs: int
+    decode_kv_tokens: int
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class LinearStepCost:
+    """One iteration of an engine measured as a whole: a fixed cost, plus a cost per prefilled token, per decoding
+    sequence and per KV token those sequences read. The simulator's `StepCost` (O(1) decode spans)."""
+
+    base_ms: float
+    per_prefill_token_ms: float
+    per_decode_seq_ms: float
+    per_kv_token_ms: float
+
+    def step_ms(self, prefill_tokens: Sequence[int], decode_seqs: int, decode_kv_tokens: int,
+                prefill_cached: Sequence[int] | None = None) -> float:
+        p = sum(prefill_tokens)
+        if p == 0 and decode_seqs == 0:
+            return 0.0
+        return (self.base_ms + self.per_prefill_token_ms * p + self.per_decode_seq_ms * decode_seqs
+                + self.per_kv_token_ms * decode_kv_tokens)
+
+    def decode_span_ms(self, n: int, kv0: int, steps: int) -> float:
+        """Sum over k in [0, steps) of step_ms([], n, kv0 + k n): an arithmetic series."""
+        if steps <= 0 or n <= 0:
+            return 0.0
+        a = self.base_ms + self.per_decode_seq_ms * n + self.per_kv_token_ms * kv0
+        return steps * a + self.per_kv_token_ms * n * steps * (steps - 1) / 2.0
+
+    def decode_steps_within(self, n: int, kv0: int, budget_ms: float) -> int:
+        """The largest `steps` with decode_span_ms(n, kv0, steps) <= budget_ms (the quadratic's root, then exact)."""
+        if n < 1:
+            raise ValueError(f"decode_steps_within needs n >= 1 sequences, got {n}")
+        if not math.isfinite(budget_ms):
+            raise ValueError(f"budget_ms must be finite, got {budget_ms}")
+        if budget_ms <= 0:
+            return 0
+        a = self.base_ms + self.per_decode_seq_ms * n + self.per_kv_token_ms * kv0
+        c = self.per_kv_token_ms * n / 2.0
+        if a <= 0 and c <= 0:
+            raise ValueError("a step cost of 0 ms: no finite number of steps fills a budget")
+        if c <= 0:
+            k = int(budget_ms / a)
+        else:  # c k^2 + (a - c) k - budget = 0
+            b = a - c
+            k = int((-b + math.sqrt(b * b + 4 * c * budget_ms)) / (2 * c))
+        while k > 0 and self.decode_span_ms(n, kv0, k) > budget_ms:
+            k -= 1
+        while self.decode_span_ms(n, kv0, k + 1) <= budget_ms:
+            k += 1
+        return k
+
+
+def fit_linear(samples: Sequence[StepSample]) -> tuple[LinearStepCost, dict[str, float]]:
+    """Least squares over the samples (relative error weighted: every iteration counts alike, short or long), with
+    negative coefficients dropped and the fit redone without them. Returns the cost and its fit quality."""
+    import numpy as np
+
+    if len(samples) < 4:
+        raise ValueError(f"fit_linear needs at least 4 samples, got {len(samples)}")
+    x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.decode_kv_tokens] for s in samples])
+    y = np.array([s.ms for s in samples])
+    w = 1.0 / np.maximum(y, 1e-6)
+    keep = [0, 1, 2, 3]
+    coef = np.zeros(4)
+    for _ in range(4):
+        sol, *_ = np.linalg.lstsq(x[:, keep] * w[:, None], y * w, rcond=None)
+        coef = np.zeros(4)
+        coef[keep] = sol
+        neg = [k for k in keep if coef[k] < 0]
+        if not neg:
+            break
+        keep = [k for k in keep if k not in neg]
+    coef = np.maximum(coef, 0.0)
+    cost = LinearStepCost(*(float(c) for c in coef))
+    pred = np.array([cost.step_ms([s.prefill_tokens] if s.prefill_tokens else [], s.decode_seqs,
+                                  s.decode_kv_tokens) for s in samples])
+    rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+    return cost, {"samples": float(len(samples)), "median_rel_error": float(np.median(rel)),
+                  "p90_rel_error": float(np.percentile(rel, 90))}
+
+
+# -- the measurement (vLLM's interpreter only) --------------------------------------------------------------------
+def _engine(config_dir: Path, config_file: Path | None) -> tuple[Any, dict[str, Any]]:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from pipeline.config import load_config
+    from workers.engines.vllm_engine import VllmEngine
+
+    config = load_config(config_dir, [config_file] if config_file else [])
+    wc = config.policies.worker
+    eng = VllmEngine(wc.vllm, lambda: 0.0)
+    if eng.on_cpu:  # as VllmEngine.start
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{wc.vllm.cpu_kvcache_space_gb:g}")
+    llm = LLMEngine.from_engine_args(EngineArgs(**eng.args), enable_multiprocessing=True)
+    sc = llm.vllm_config.scheduler_config
+    cc = llm.vllm_config.cache_config
+    info = {"max_num_seqs": int(sc.max_num_seqs), "max_num_batched_tokens": int(sc.max_num_batched_tokens),
+            "num_blocks": int(cc.num_gpu_blocks or 0), "block_size": int(cc.block_size),
+            "vocab": len(llm.get_tokenizer()), "on_cpu": eng.on_cpu, "model": eng.model}
+    return llm, info
+
+
+def _ids(n: int, vocab: int) -> list[int]:
+    seed = uuid.uuid4().int
+    return [(seed + 7919 * i) % (vocab - 16) + 8 for i in range(n)]
+
+
+def _run(llm: Any, prompts: Sequence[int], max_tokens: int, vocab: int) -> tuple[float, float]:
+    """Add one request per prompt length, step until all finish. Returns (ms from the add to the moment every
+    request has its first token: the prefill iteration, intake included; ms from then to the last finish)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    waiting = set()
+    for p in prompts:
+        rid = uuid.uuid4().hex
+        waiting.add(rid)
+        llm.add_request(rid, {"prompt_token_ids": _ids(p, vocab)}, params)
+    t_first = None
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.outputs and out.outputs[0].token_ids:
+                waiting.discard(out.request_id)
+        if t_first is None and not waiting:
+            t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    t_first = t_end if t_first is None else t_first
+    return (t_first - t0) * 1000.0, (t_end - t_first) * 1000.0
+
+
+def measure(llm: Any, info: dict[str, Any], progress: bool = True) -> list[StepSample]:
+    """Per composition, REPEATS runs: one prefill sample (all prompts in one iteration: they fit the token budget)
+    and one decode sample, the mean iteration of DECODE_STEPS steps of B sequences at their mean KV length (a phase
+    timed as a whole: single `step()` returns are not single iterations, the frontend may read ahead or behind)."""
+    vocab = info["vocab"]
+    cap = info["max_num_batched_tokens"]
+    seqs = info["max_num_seqs"]
+    plan: list[tuple[str, list[int], int]] = []
+    plan += [("prefill", [p], 1) for p in PREFILL_TOKENS if p <= cap]
+    plan += [("prefill", [p] * b, 1) for b, p in PREFILL_BATCHES if b * p <= cap and b <= seqs]
+    plan += [("decode", [p] * b, DECODE_STEPS + 1) for p in DECODE_PROMPTS for b in DECODE_BATCHES
+             if b <= seqs and b * p <= cap]
+    _run(llm, [64], 4, vocab)  # warm-up
+    samples: list[StepSample] = []
+    for i, (kind, prompts, steps) in enumerate(plan):
+        for _ in range(REPEATS):
+            first_ms, rest_ms = _run(llm, prompts, steps, vocab)
+            samples.append(StepSample(sum(prompts), 0, 0, first_ms))
+            if kind == "decode":
+                b, p = len(prompts), prompts[0]
+                samples.append(StepSample(0, b, b * (p + 1 + steps // 2), rest_ms / (steps - 1)))
+        if progress:
+            print(f"vllm profile: {i + 1}/{len(plan)} {kind} {len(prompts)}x{prompts[0]}", file=sys.stderr,
+                  flush=True)
+    return samples
+
+
+def _summary(samples: Sequence[StepSample]) -> list[dict[str, Any]]:
+    """Median ms per distinct (prefill, decode seqs) composition, for the report."""
+    by: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        by.setdefault((s.prefill_tokens, s.decode_seqs), []).append(s.ms)
+    return [{"prefill_tokens": p, "decode_seqs": d, "median_ms": round(statistics.median(v), 3), "n": len(v)}
+            for (p, d), v in sorted(by.items())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workers.engines.vllm_profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--config-dir", default="configs")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("-o", "--out", default=None, help="write the JSON here too")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    llm, info = _engine(Path(args.config_dir), Path(args.config) if args.config else None)
+    t0 = time.perf_counter()
+    samples = measure(llm, info, progress=not args.no_progress)
+    cost, quality = fit_linear(samples)
+    out = {"engine": info, "fit": asdict(cost), "fit_quality": quality, "steps": _summary(samples),
+           "samples": [asdict(s) for s in samples], "wall_s": round(time.perf_counter() - t0, 1)}
+    text = json.dumps(out)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the engine is made under __main__ only
+    raise SystemExit(main())
