@@ -158,7 +158,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--live", choices=["auto", "on", "off"], default="auto",
                    help="validate: also run a trace through the live pipeline on vLLM's CPU engine and through the "
                         "simulator fitted to it (auto: when .venv-vllm exists; on: fail without it)")
-    s.add_argument("--live-requests", type=int, default=120, help="validate: requests of the live-vs-sim run")
+    s.add_argument("--live-requests", type=int, default=300, help="validate: requests of the live-vs-sim run")
     s.add_argument("--live-load", type=float, default=0.35, help="validate: the live run's load, a fraction of the "
                                                                 "node's simulated capacity")
     s.add_argument("--out", default=None, help="directory for JSON and PNG output")

@@ -127,6 +127,61 @@ def fit_linear(samples: Sequence[StepSample]) -> tuple[LinearStepCost, dict[str,
                   "p90_rel_error": float(np.percentile(rel, 90))}
 
 
+# -- the engines' cores -------------------------------------------------------------------------------------------
+def _tree(root: int) -> list[int]:
+    """`root` and its live descendants (from /proc)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                parents[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, pp in parents.items() if pp == pid]
+    return out
+
+
+def isolate_engines(root: int) -> dict[str, Any]:
+    """Give the engines their cores alone, as an engine has its GPU. vLLM's CPU build pins its model executor's
+    threads to some cores and reserves the rest for the host (`VLLM_CPU_OMP_THREADS_BIND=auto`). Here vLLM's own
+    processes (`VLLM::EngineCore`, the scheduler, and `VLLM::Worker`, the executor: they run one after the other, a
+    step at a time) go on the pinned cores, and every other thread under `root` (the rackflow worker with vLLM's
+    frontend, the roles, Valkey, etcd) on the reserved ones. Without it the roles' work preempts the scheduler and
+    the steps slow with the load (measured in `rackflow sim validate`). Per thread: Linux affinity is a thread's.
+    A no-op where nothing is pinned, or where nothing would be left for the rest."""
+    every = set(range(os.cpu_count() or 1))
+    threads: dict[int, tuple[bool, set[int]]] = {}
+    for pid in _tree(root):
+        try:
+            engine = Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
+            tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                threads[tid] = (engine, set(os.sched_getaffinity(tid)))
+            except OSError:
+                continue
+    pinned = set().union(*(a for e, a in threads.values() if e and a != every)) if threads else set()
+    rest = every - pinned
+    moved = 0
+    if pinned and rest:
+        for tid, (engine, a) in threads.items():
+            want = pinned if engine else rest
+            if a == every or (engine and not a <= pinned) or (not engine and a & pinned):
+                try:
+                    os.sched_setaffinity(tid, want)
+                    moved += 1
+                except OSError:
+                    continue
+    return {"engine_cpus": sorted(pinned), "other_cpus": sorted(rest), "moved_threads": moved}
+
+
 # -- the measurement (vLLM's interpreter only) --------------------------------------------------------------------
 def _engine(config_dir: Path, config_file: Path | None) -> tuple[Any, dict[str, Any]]:
     from vllm.engine.arg_utils import EngineArgs
@@ -220,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None)
     ap.add_argument("-o", "--out", default=None, help="write the JSON here too")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--isolate", action="store_true", help="move every thread but the engine's pinned compute "
+                                                           "threads off their cores (isolate_engines)")
     args = ap.parse_args(argv)
     llm, info = _engine(Path(args.config_dir), Path(args.config) if args.config else None)
+    if args.isolate:
+        info["cpus"] = isolate_engines(os.getpid())
     t0 = time.perf_counter()
     samples = measure(llm, info, progress=not args.no_progress)
     cost, quality = fit_linear(samples)

@@ -6,19 +6,17 @@ What `live_vs_sim` does, in order (every step real; nothing is read from an earl
    (`.venv-vllm`, `.cache/tiny-qwen2-vllm`: `make .venv-vllm` builds both), with the gateway, router, batcher and
    monitor roles, exactly as `rackflow up --engine vllm`;
 2. profiles the engine (`workers.engines.vllm_profile`, in vLLM's interpreter) while that cluster idles, so the
-   measured iterations see the same machine the live run sees, and fits the linear step cost to them;
-3. measures the pipeline's fixed latency: `PROBES` one-token requests, one at a time, through the idle cluster; the
-   median of their live TTFT less the simulator's TTFT of the same request is the hop latency the simulator adds
-   per dispatch (`SimParams.dispatch_latency_ms`). This and the fit are the simulator's only inputs from the engine;
-4. replays the trace slice in real time through the live cluster (`DemoRun`: the gateway's own submit path);
-5. simulates the same requests at the same arrival times on the same config with the fitted cost, vLLM's own
-   scheduler limits (max_num_seqs, max_num_batched_tokens) and the measured hop latency. The profile is taken beside
-   an idle cluster; under the run's load the same engine steps slower (2 cores shared with its own frontend, the
-   worker and the pipeline roles). The engine measures its own iterations during the run (the workers' status on
-   the health stream: mean step ms over 10 s); their median over the profile's prediction at the run's mean batch
-   is one factor that scales the whole fitted cost (`in_run_steps`). The simulation with the profile alone is
-   reported beside it (`sim_profile_only_ms`);
-6. reports TTFT and end-to-end P50/P99 of both and their relative errors; `live_p99_error` is the larger of the
+   measured iterations see the same machine the live run sees, and fits the linear step cost to them (the fit is
+   the simulator's only input from the engine);
+3. replays the trace slice in real time through the live cluster (`DemoRun`: the gateway's own submit path);
+4. simulates the same requests at the same arrival times on the same config with the fitted cost, vLLM's own
+   scheduler limits (max_num_seqs, max_num_batched_tokens), and as its dispatch latency the pipeline's hops that
+   no queue holds, measured in the run (the medians of gateway -> router and batch closed -> engine, from the
+   results' stamps: `hops_p50_ms`); the batcher's window and the node's queue are the simulator's own.
+   During the profile and the run, vLLM's engine processes have the cores its executor is pinned to alone
+   (`isolate_engines`), as an engine has its GPU. The engine's own step times in the run (the workers' status on the
+   health stream) are reported beside the profile's (`in_run_steps`), not used;
+5. reports TTFT and end-to-end P50/P99 of both and their relative errors; `live_p99_error` is the larger of the
    TTFT and end-to-end P99 errors.
 
 The trace: the first `requests` Azure 2023 conversation requests, prompts cut to `MAX_IN` tokens and outputs to
@@ -44,13 +42,12 @@ import yaml
 from pipeline.sim.simulator import SimParams, Simulator
 from pipeline.sim.traces import TraceRequest, parse_azure, scale_rate
 from pipeline.stats import percentile
-from workers.engines.vllm_profile import LinearStepCost
+from workers.engines.vllm_profile import LinearStepCost, isolate_engines
 from workers.sim.harness import AZURE_CONV, REPO
 
 TINY = REPO / ".cache" / "tiny-qwen2-vllm"
 MAX_IN = 1024
 MAX_OUT = 96
-PROBES = 8
 MAX_SEQS = 4
 """vLLM's max_num_seqs in the live run: few slots, so requests queue for them (the engine, not the 2-core
 machine's pipeline processes, is the bottleneck of the run; the tiny model decodes 32 sequences in 3 ms)."""
@@ -105,6 +102,11 @@ def at_load(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine:
     return list(scale_rate(reqs, factor))
 
 
+def _all_cpus() -> None:
+    """The profile starts on every core, as a worker does, so that vLLM pins its engine as in a worker."""
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
 async def _engine_steps(redis_url: str, since_ms: float) -> list[tuple[int, float]]:
     """(running sequences, mean step ms) of every worker status on the health stream since `since_ms` while it ran
     sequences: the step times the engine measured itself during the run (VllmEngine.stats, avg_step_ms)."""
@@ -132,7 +134,7 @@ def _rel(sim: float, live: float) -> float:
     return abs(sim - live) / max(1e-9, live)
 
 
-def live_vs_sim(requests: int = 120, load: float = 0.35, nodes: int = 1, progress: bool = True,
+def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progress: bool = True,
                 keep_dir: Path | None = None) -> dict[str, Any]:
     from pipeline.config import parse_config, raw_config
     from workers.local.demo import DemoRun
@@ -159,35 +161,27 @@ def live_vs_sim(requests: int = 120, load: float = 0.35, nodes: int = 1, progres
         _log(f"starting {nodes} vLLM worker(s) and the pipeline roles (logs: {work / 'logs'})", progress)
         procs.start()
         asyncio.run(wait_cluster_ready(config, ep.redis_url, ep.etcd_url, 600))
+        cpus = isolate_engines(os.getpid())
+        _log(f"engine cores {cpus['engine_cpus']}, the rest on {cpus['other_cpus']}", progress)
         _log("profiling the engine's step times (vLLM's interpreter, beside the idle cluster)", progress)
         env = dict(os.environ, PYTHONPATH=str(REPO))
         prof = subprocess.run([vpy, "-m", "workers.engines.vllm_profile", "--config-dir", str(REPO / "configs"),
-                               "--config", str(cfg_path), "-o", str(work / "profile.json"),
+                               "--config", str(cfg_path), "-o", str(work / "profile.json"), "--isolate",
                                *([] if progress else ["--no-progress"])],
-                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=None if progress else
-                              subprocess.DEVNULL, timeout=900)
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, preexec_fn=_all_cpus,
+                              stderr=None if progress else subprocess.DEVNULL, timeout=900)
         if prof.returncode != 0:
             raise RuntimeError(f"the vLLM step profile failed (exit {prof.returncode})")
         profile = json.loads((work / "profile.json").read_text())
         cost = LinearStepCost(**profile["fit"])
         engine = profile["engine"]
-        # the pipeline's own latency: one-token requests one at a time, live and simulated
-        probe = [TraceRequest(0.0, 64, 1)]
-        _log(f"{PROBES} probes for the pipeline's fixed latency", progress)
-        live_probe = []
-        for _ in range(PROBES):
-            rep = asyncio.run(DemoRun(config, ep.redis_url, ep.etcd_url, AZURE_CONV, 1, 1.0, model, 0,
-                                      progress=False, rows=probe).run())
-            live_probe += rep["_ttft"]
-            time.sleep(0.2)
-        sim_probe, _e, _r = simulate(config, probe, cost, engine, 0.0)
-        dispatch_ms = max(0.0, percentile(live_probe, 50) - sim_probe[0])
         reqs = at_load(config, trace_slice(requests), cost, engine, load)
         span_s = max(r.arrival_ms for r in reqs) / 1000.0
         _log(f"replaying {len(reqs)} requests over {span_s:.1f} s through the live pipeline", progress)
         t_run = time.time() * 1000.0
-        report = asyncio.run(DemoRun(config, ep.redis_url, ep.etcd_url, AZURE_CONV, len(reqs), 1.0, model, 0,
-                                     progress=progress, rows=reqs, idle_timeout_s=300.0).run())
+        run = DemoRun(config, ep.redis_url, ep.etcd_url, AZURE_CONV, len(reqs), 1.0, model, 0, progress=progress,
+                      rows=reqs, idle_timeout_s=300.0)
+        report = asyncio.run(run.run())
         in_run = asyncio.run(_engine_steps(ep.redis_url, t_run))
     finally:
         procs.stop()
@@ -201,17 +195,19 @@ def live_vs_sim(requests: int = 120, load: float = 0.35, nodes: int = 1, progres
         factor = live_step / prof_step if prof_step > 0 else 1.0
     else:
         running, live_step, factor = 0.0, 0.0, 1.0
-    run_cost = LinearStepCost(*(factor * c for c in (cost.base_ms, cost.per_prefill_token_ms, cost.per_decode_seq_ms,
-                                                     cost.per_kv_token_ms)))
-    iso_ttft, iso_e2e, _ = simulate(config, reqs, cost, engine, dispatch_ms)
-    sim_ttft, sim_e2e, res = simulate(config, reqs, run_cost, engine, dispatch_ms)
+    # the pipeline's hops that no queue holds: gateway -> router, and batch closed -> the engine has the request
+    # (each result carries the stamps); the simulator's batcher, window and node queues are its own
+    ok = [e for rid, e in run.results.items() if rid in run.submitted and e.status == "ok" and e.start_ms > 0]
+    hops = {"gateway_to_router_ms": percentile([e.routed_ms - e.arrival_ms for e in ok], 50),
+            "batch_to_engine_ms": percentile([e.start_ms - e.batched_ms for e in ok], 50)}
+    dispatch_ms = max(0.0, sum(hops.values()))
+    sim_ttft, sim_e2e, res = simulate(config, reqs, cost, engine, dispatch_ms)
     live_ttft, live_e2e = report["_ttft"], report["_e2e"]
     fig = {}
-    for name, s, iso, v in (("ttft", sim_ttft, iso_ttft, live_ttft), ("e2e", sim_e2e, iso_e2e, live_e2e)):
+    for name, s, v in (("ttft", sim_ttft, live_ttft), ("e2e", sim_e2e, live_e2e)):
         for q in (50, 99):
-            a, b, c = percentile(s, q), percentile(v, q), percentile(iso, q)
-            fig[f"{name}_p{q}"] = {"live_ms": round(b, 1), "sim_ms": round(a, 1), "error": round(_rel(a, b), 4),
-                                   "sim_profile_only_ms": round(c, 1), "profile_only_error": round(_rel(c, b), 4)}
+            a, b = percentile(s, q), percentile(v, q)
+            fig[f"{name}_p{q}"] = {"live_ms": round(b, 1), "sim_ms": round(a, 1), "error": round(_rel(a, b), 4)}
     out = {
         "requests": len(reqs), "load": load, "nodes": nodes, "span_s": round(span_s, 1),
         "live": {k: report[k] for k in ("completed", "errors", "lost", "duplicates", "wall_s")},
@@ -221,10 +217,39 @@ def live_vs_sim(requests: int = 120, load: float = 0.35, nodes: int = 1, progres
         "live_p99_error": max(fig["ttft_p99"]["error"], fig["e2e_p99"]["error"]),
         "step_cost": profile["fit"], "step_fit": profile["fit_quality"], "engine": engine,
         "in_run_steps": {"samples": len(in_run), "median_step_ms": round(live_step, 3),
-                         "mean_running": round(running, 2), "factor_over_profile": round(factor, 3)},
-        "dispatch_latency_ms": round(dispatch_ms, 2), "probe_ttft_live_p50_ms": round(percentile(live_probe, 50), 2),
-        "probe_ttft_sim_ms": round(sim_probe[0], 2), "wall_s": round(time.perf_counter() - t_all, 1),
+                         "mean_running": round(running, 2), "ratio_to_profile": round(factor, 3)},
+        "cpus": cpus, "profile_cpus": engine.get("cpus"), "dispatch_latency_ms": round(dispatch_ms, 2),
+        "hops_p50_ms": {k: round(v, 2) for k, v in hops.items()}, "wall_s": round(time.perf_counter() - t_all, 1),
         "work_dir": str(work),
     }
-    (work / "live-vs-sim.json").write_text(json.dumps(out, indent=2))
+    per_request = {"arrival_ms": [r.arrival_ms for r in reqs], "in_tokens": [r.in_tokens for r in reqs],
+                   "out_tokens": [r.out_tokens for r in reqs], "live_ttft_ms": live_ttft, "live_e2e_ms": live_e2e,
+                   "sim_ttft_ms": sim_ttft, "sim_e2e_ms": sim_e2e}
+    (work / "live-vs-sim.json").write_text(json.dumps({**out, "per_request": per_request}, indent=1))
+    out["plot"] = str(work / "live-vs-sim.png")
+    _plot(per_request, work / "live-vs-sim.png")
     return out
+
+
+def _plot(d: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, what, title in ((axes[0], "ttft", "time to first token"), (axes[1], "e2e", "end to end")):
+        for key, label in ((f"live_{what}_ms", "live (vLLM CPU engine)"), (f"sim_{what}_ms", "simulated")):
+            vals = sorted(d[key])
+            if vals:
+                ax.plot(vals, [(k + 1) / len(vals) for k in range(len(vals))], label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("share of requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("The simulator against the live pipeline on the same requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
