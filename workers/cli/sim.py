@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RackflowConfig
+from pipeline.sim.control_plane import ControlPlaneCosts
 from pipeline.sim.simulator import SimParams, SimResult
 from workers.sim.harness import (
     AZURE_CONV,
@@ -27,13 +28,30 @@ from workers.sim.harness import (
 def _common(args: argparse.Namespace, policy: str | None) -> tuple[RackflowConfig, SimParams]:
     cfg = sim_config(Path(args.config_dir), [Path(p) for p in args.config], args.cluster, policy,
                      {"batcher": {"window_ms": args.window_ms}} if args.window_ms else None)
-    params = SimParams(batching=args.batching, fixed_batch=args.fixed_batch, prefix_cache=not args.no_prefix_cache)
+    params = SimParams(batching=args.batching, fixed_batch=args.fixed_batch, prefix_cache=not args.no_prefix_cache,
+                       control_plane=control_plane_costs(args, cfg))
     return cfg, params
+
+
+def control_plane_costs(args: argparse.Namespace, cfg: RackflowConfig) -> ControlPlaneCosts | None:
+    """The measured control-plane costs (`--control-plane [FILE]`) with the counts given, or None."""
+    if getattr(args, "control_plane", None) is None:
+        return None
+    from workers.sim.calibrate import CALIBRATION, load_calibration
+
+    path = Path(args.control_plane) if args.control_plane else CALIBRATION
+    return ControlPlaneCosts.from_calibration(
+        load_calibration(path), routers=args.routers, batchers_per_rack=args.batchers_per_rack,
+        valkey_shards=args.valkey_shards, token_flush_ms=float(cfg.policies.worker.token_flush_ms))
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
     if args.action == "validate":
         return cmd_validate(args)
+    if args.action == "calibrate-control-plane":
+        from workers.sim.calibrate import cmd_calibrate
+
+        return cmd_calibrate(args)
     default_trace(args)
     seed = args.seed
     if args.action == "run":
@@ -120,9 +138,17 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
 
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies")
-    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate"])
-    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto; "
-                                           "trace: multiturn")
+    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate",
+                                       "calibrate-control-plane"])
+    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto | "
+                                           "sizing; trace: multiturn")
+    s.add_argument("--control-plane", nargs="?", const="", default=None, metavar="FILE",
+                   help="model routers, batchers, Valkey shards, etcd and node links as stations with the measured "
+                        "costs of FILE (default data/calibration/control-plane.json); off without this flag")
+    s.add_argument("--routers", type=int, default=1, help="with --control-plane: router processes")
+    s.add_argument("--batchers-per-rack", type=int, default=1, help="with --control-plane: batcher processes per rack")
+    s.add_argument("--valkey-shards", type=int, default=1,
+                   help="with --control-plane: shards the per-rack/node/request streams spread over")
     s.add_argument("--trace", default=None, help=f"trace file (default for azure: {AZURE_CONV.relative_to(REPO)})")
     s.add_argument("--format", default="azure", choices=["azure", "mooncake", "synthetic"])
     s.add_argument("--cluster", default=None, help="YAML with a `cluster:` (and optionally other sections) "
