@@ -68,6 +68,7 @@ class Station:
         return {
             "servers": self.servers,
             "jobs": self.jobs,
+            "busy_ms": round(self.busy_ms, 3),
             "utilisation": round(self.busy_ms / self.servers / span, 4),
             "mean_wait_ms": round(self.wait_ms / self.jobs, 3) if self.jobs else 0.0,
             "max_wait_ms": round(self.max_wait_ms, 3),

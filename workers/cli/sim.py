@@ -168,6 +168,10 @@ def add_parser(sub: Any) -> None:
                                                                   "experiments pick their own)")
     s.add_argument("--sizes", default=None, help="scale-pareto: GPU counts, e.g. 64,128,256,512,1024")
     s.add_argument("--requests", type=int, default=None, help="use the first N requests")
+    s.add_argument("--flood-requests", type=int, default=None,
+                   help="scale-pareto: requests of the capacity floods (default 80,000)")
+    s.add_argument("--sat-racks", type=int, default=None, help="sizing: racks of the router-saturation cluster (16)")
+    s.add_argument("--sat-seconds", type=float, default=None, help="sizing: seconds of arrivals per saturation run")
     s.add_argument("--superpose", type=int, default=1, help="K independent copies of the trace over the same hour "
                                                             "(K x the load; 11 x Azure conv = the seed's 5 M/day)")
     s.add_argument("--users", type=int, default=2000, help="users drawn (Zipf) for requests without one")
