@@ -325,8 +325,25 @@ def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "router_saturation": {k: v["mean_wait_ms"] for k, v in sat.items()},
         "seed": "not stated (the seed gives no process counts)",
     }]
-    return {"table": table, "demand_per_request_ms": demand, "demand_run": {k: row[k] for k in (
-                "requests", "completed", "p50_ms", "throughput_rps")},
+    lines = ["per 1,000 GPUs (15.6 racks of 8 H100 TP8 nodes), at the mean rate, each station <= 70% utilised:",
+             f"{'volume':<9} {'req/s':>7} {'routers':>8} {'batchers/rack':>14} {'valkey shards':>14} "
+             f"{'1 router':>9} {'1 batcher':>10} {'1 shard':>8} {'global shard':>13}"]
+    for label, v in table.items():
+        lines.append(f"{label:<9} {v['mean_rps']:>7} {v['routers']:>8} {v['batchers_per_rack']:>14} "
+                     f"{v['valkey_shards']:>14} {v['router_utilisation_with_1']:>9.1%} "
+                     f"{v['batcher_utilisation_with_1']:>10.1%} {v['shard_utilisation_with_1']:>8.1%} "
+                     f"{v['global_shard_utilisation']:>13.1%}")
+    lines.append("one process carries at 70% (req/s): " + ", ".join(
+        f"{k.removesuffix('_ms')} {v:,.0f}" for k, v in per_process_rps.items()) + " (batcher: per rack)")
+    lines.append("router station in the simulator (mean / max wait ms, utilisation):")
+    for k, v in sat.items():
+        lines.append(f"  {k:<18} {v['offered_rps']:>8} req/s  wait {v['mean_wait_ms']:>9} / {v['max_wait_ms']:>9} ms"
+                     f"  util {v['utilisation']:.2f}  TTFT p50 {v['ttft_p50_ms']} ms")
+    lines.append("batcher and Valkey shard on the same Station code, trace arrivals (mean / max wait ms):")
+    for k, v in replay.items():
+        lines.append(f"  {k:<28} {v['offered_rps']:>8} req/s  wait {v['mean_wait_ms']:>9} / {v['max_wait_ms']:>9}")
+    run = {k: row[k] for k in ("requests", "completed", "p50_ms", "throughput_rps")}
+    return {"text": "\n".join(lines), "table": table, "demand_per_request_ms": demand, "demand_run": run,
             "router_saturation_sim": sat, "station_replay": replay, "utilisation_cap": cap,
             "calibration": str(cal_path), "claims": claims, "plot": str(out / "sizing.png")}
 
@@ -393,7 +410,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
-        print(format_table(result["table"]))
+        print(result["text"] if "text" in result else format_table(result["table"]))
         print("\nseed's claims next to ours:")
         for c in result["claims"]:
             print(json.dumps(c, sort_keys=True))
