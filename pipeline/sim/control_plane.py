@@ -62,6 +62,8 @@ class Station:
         free = self.free_at
         self.free_at = (t if t > free else free) + service_ms / self.servers
         self.busy_ms += service_ms
+        if t > self.last_ms:
+            self.last_ms = t
 
     def report(self, span_ms: float) -> dict[str, float]:
         span = max(span_ms, 1e-9)
@@ -72,7 +74,7 @@ class Station:
             "utilisation": round(self.busy_ms / self.servers / span, 4),
             "mean_wait_ms": round(self.wait_ms / self.jobs, 3) if self.jobs else 0.0,
             "max_wait_ms": round(self.max_wait_ms, 3),
-            "backlog_ms": round(max(0.0, self.free_at - self.last_ms), 3) if self.jobs else 0.0,
+            "backlog_ms": round(max(0.0, self.free_at - self.last_ms), 3) if self.busy_ms else 0.0,
         }
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RackflowConfig
-from pipeline.sim.control_plane import ControlPlaneCosts
 from pipeline.sim.simulator import SimParams, SimResult
+from workers.sim.calibrate import control_plane_costs
 from workers.sim.harness import (
     AZURE_CONV,
     REPO,
@@ -31,18 +31,6 @@ def _common(args: argparse.Namespace, policy: str | None) -> tuple[RackflowConfi
     params = SimParams(batching=args.batching, fixed_batch=args.fixed_batch, prefix_cache=not args.no_prefix_cache,
                        control_plane=control_plane_costs(args, cfg))
     return cfg, params
-
-
-def control_plane_costs(args: argparse.Namespace, cfg: RackflowConfig) -> ControlPlaneCosts | None:
-    """The measured control-plane costs (`--control-plane [FILE]`) with the counts given, or None."""
-    if getattr(args, "control_plane", None) is None:
-        return None
-    from workers.sim.calibrate import CALIBRATION, load_calibration
-
-    path = Path(args.control_plane) if args.control_plane else CALIBRATION
-    return ControlPlaneCosts.from_calibration(
-        load_calibration(path), routers=args.routers, batchers_per_rack=args.batchers_per_rack,
-        valkey_shards=args.valkey_shards, token_flush_ms=float(cfg.policies.worker.token_flush_ms))
 
 
 def cmd_sim(args: argparse.Namespace) -> int:

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import RackflowConfig
+from pipeline.sim.control_plane import ControlPlaneCosts
 from workers.sim.harness import REPO
 
 CALIBRATION = REPO / "data" / "calibration" / "control-plane.json"
@@ -148,6 +150,16 @@ def calibrate(entries: int = 5000, route_iterations: int = 5000, pipeline_reques
 def load_calibration(path: Path | None = None) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((path or CALIBRATION).read_text(encoding="utf-8"))
     return data
+
+
+def control_plane_costs(args: argparse.Namespace, cfg: RackflowConfig) -> ControlPlaneCosts | None:
+    """The measured control-plane costs (`--control-plane [FILE]`) with the counts given, or None."""
+    if getattr(args, "control_plane", None) is None:
+        return None
+    path = Path(args.control_plane) if args.control_plane else CALIBRATION
+    return ControlPlaneCosts.from_calibration(
+        load_calibration(path), routers=args.routers, batchers_per_rack=args.batchers_per_rack,
+        valkey_shards=args.valkey_shards, token_flush_ms=float(cfg.policies.worker.token_flush_ms))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

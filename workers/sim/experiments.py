@@ -213,7 +213,7 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def _costs(args: argparse.Namespace) -> ControlPlaneCosts | None:
-    from workers.cli.sim import control_plane_costs
+    from workers.sim.calibrate import control_plane_costs
 
     return control_plane_costs(args, _config(args, _cluster(1, 1), "weighted", args.seed))
 
