@@ -156,9 +156,8 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     seed = args.seed
     base = _azure(None, 1.0, seed)
     copies = 11  # 11 x 19,366 = 213 k requests in 58 min: the seed's 5 M/day
-    load = superpose(base, copies, random.Random(seed + 2))
-    if args.requests:
-        load = load[: args.requests]
+    full = superpose(base, copies, random.Random(seed + 2))
+    load = full[: args.requests] if args.requests else full
     sizes = [int(x) for x in (args.sizes or "64,128,256,512,1024").split(",")]
     table: dict[str, dict[str, Any]] = {}
     price = None
@@ -184,7 +183,7 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             continue
         nodes = gpus // 8
         cfg = _config(args, _cluster(nodes // 8, 8), "weighted", seed)
-        heavy = list(scale_rate(load[:flood], 40.0))
+        heavy = list(scale_rate(full[:flood], 40.0))  # the floods do not depend on --requests
         row, _ = run_once(cfg, heavy, SimParams(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
         capacity[str(gpus)] = row["steady_throughput_rps"]
         if cp is not None:
