@@ -13,7 +13,8 @@ Which stream operations a request costs (the live path, `docs/ARCHITECTURE.md` s
 - global streams (`rf:ingress`, `rf:decisions`, `rf:results` are one key each, so one shard whatever the shard
   count): XADD + read of the ingress entry, XADD of the decision, XADD + read of the result;
 - per-rack / per-node / per-request streams (spread over the shards): XADD + read of the rack request, XADD +
-  read of the node batch (once per batch), XADD of the first token and one per `token_flush_ms` of decoding.
+  read of the node batch (once per batch), XADD of the first token and one per `token_flush_ms` of decoding
+  (charged per engine iteration / decode stretch: each decoding sequence, min(steps, duration / flush)).
 """
 
 from __future__ import annotations

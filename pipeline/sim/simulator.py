@@ -502,6 +502,14 @@ class Simulator:
         node = self.nodes[i]
         if epoch != node.epoch or node.phase is None:
             return  # stale: the stretch was shortened or the node died
+        cp = self._cp
+        if cp is not None and node.decoding and cp.token_flush_ms > 0:
+            # the tokens of this iteration / stretch go out as one XADD per decoding sequence per flush interval
+            # (per step where a step is longer): charged as they are made, not at the end of the request
+            ph = node.phase
+            t0, steps = (cast(float, ph[3]), 1) if ph[0] == "prefill" else (cast(float, ph[1]), cast(int, ph[4]))
+            per_seq = min(float(steps), (now - t0) / cp.token_flush_ms)
+            self._st_spread.charge(now, len(node.decoding) * per_seq * cp.xadd_ms)
         res = node.finish_phase(now)
         if self.params.check_invariants:
             self._check(node)
@@ -509,14 +517,11 @@ class Simulator:
             if self.first_token[rid] < 0:
                 self.first_token[rid] = t
         rack = self.racks[node.rack]
-        cp = self._cp
         for f in res.finished:
             self.finish[f.rid] = f.finish_ms
-            if cp is not None:  # the result's XADD + read; the first token's XADD and one per flush interval
+            if cp is not None:  # the result's XADD + read; the first token's XADD
                 self._st_global.charge(now, cp.result_global_ms)
-                ft = self.first_token[f.rid]
-                flushes = 1.0 + (f.finish_ms - ft) / cp.token_flush_ms if cp.token_flush_ms > 0 and ft >= 0 else 1.0
-                self._st_spread.charge(now, flushes * cp.xadd_ms)
+                self._st_spread.charge(now, cp.xadd_ms)
             self.completed += 1
             if not self._done_at and self.completed == 1:
                 self._first_done = f.finish_ms

@@ -158,6 +158,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--requests", type=int, default=None, help="use the first N requests")
     s.add_argument("--flood-requests", type=int, default=None,
                    help="scale-pareto: requests of the capacity floods (default 80,000)")
+    s.add_argument("--capacity-sizes", default=None,
+                   help="scale-pareto: GPU counts whose capacity is measured (default 512,1024 where in --sizes)")
+    s.add_argument("--flood-scale", type=float, default=None,
+                   help="scale-pareto: the floods arrive this many times faster than the seed's load (default 40)")
     s.add_argument("--sat-racks", type=int, default=None, help="sizing: racks of the router-saturation cluster (16)")
     s.add_argument("--sat-seconds", type=float, default=None, help="sizing: seconds of arrivals per saturation run")
     s.add_argument("--superpose", type=int, default=1, help="K independent copies of the trace over the same hour "

@@ -178,12 +178,14 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     capacity_cp: dict[str, float] = {}
     stations: dict[str, Any] = {}
     flood = args.flood_requests or 80_000
-    for gpus in (512, 1024):
-        if gpus not in sizes:
+    cap_sizes = [int(x) for x in args.capacity_sizes.split(",")] if args.capacity_sizes else [512, 1024]
+    flood_scale = args.flood_scale or 40.0
+    for gpus in cap_sizes:
+        if gpus not in sizes and not args.capacity_sizes:
             continue
         nodes = gpus // 8
         cfg = _config(args, _cluster(nodes // 8, 8), "weighted", seed)
-        heavy = list(scale_rate(full[:flood], 40.0))  # the floods do not depend on --requests
+        heavy = list(scale_rate(full[:flood], flood_scale))  # the floods do not depend on --requests
         row, _ = run_once(cfg, heavy, SimParams(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
         capacity[str(gpus)] = row["steady_throughput_rps"]
         if cp is not None:
@@ -206,7 +208,7 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "requests_1024": table.get("1024", {}).get("requests"),
     }]
     return {"table": table, "capacity_rps": capacity, "capacity_rps_control_plane": capacity_cp,
-            "control_plane_stations_at_overload": stations, "flood_requests": flood,
+            "control_plane_stations_at_overload": stations, "flood_requests": flood, "flood_scale": flood_scale,
             "control_plane": _cp_settings(cp), "claims": claims, "plot": str(out / "scale-pareto.png"),
             "price_per_gpu_hour": price}
 
