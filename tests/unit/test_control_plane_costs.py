@@ -174,3 +174,16 @@ def test_migration_pays_etcd_and_the_kv_transfer() -> None:
     moved = [i for i in range(len(reqs)) if off.node_of[i] != res.node_of[i] and res.finish[i] >= 0]
     assert moved
     assert max(res.finish[i] for i in moved) > max(off.finish) + 400.0
+
+
+def test_token_flushes_are_charged_while_decoding() -> None:
+    cfg = _cfg()
+    reqs = _reqs(300, 10.0)
+    cp = _costs(xadd_ms=1.0, read_ms=0.0, valkey_shards=1000)  # type: ignore[arg-type]  # nobody waits on it
+    res = Simulator(cfg, reqs, _cost(cfg), params=SimParams(control_plane=cp)).run()
+    done = [i for i in range(len(reqs)) if res.finish[i] >= 0 and res.first_token[i] >= 0]
+    # one XADD per decoding sequence per 50 ms flush interval (+ first token, rack request, batch)
+    expected = sum((res.finish[i] - res.first_token[i]) / cp.token_flush_ms for i in done)
+    fixed = 2.0 * len(done) + len(res.batch_sizes)
+    busy = res.control_plane["valkey_spread_shards"]["busy_ms"]
+    assert 0.9 * expected < busy - fixed < 1.1 * expected
