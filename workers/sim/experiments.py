@@ -270,6 +270,14 @@ def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "batcher_utilisation_with_1": round(rps / racks_per_1000 * demand["batcher_ms"] / 1000.0, 4),
             "shard_utilisation_with_1": round(rps * demand["valkey_spread_shard_ms"] / 1000.0, 4),
         }
+    # the token flushes bind on concurrency, not on the request rate: one XADD per decoding sequence per flush
+    seqs_per_shard = cap * c1.token_flush_ms / c1.xadd_ms
+    full = 1000 // 8 * cfg0.policies.worker.max_running  # 125 TP8 nodes x max_running sequences each
+    concurrency = {
+        "decoding_seqs_per_shard_at_70pct": round(seqs_per_shard),
+        "seed_peak_20k": {"concurrency": 20_000, "valkey_shards": math.ceil(20_000 / seqs_per_shard)},
+        "full_1000_gpus": {"concurrency": full, "valkey_shards": math.ceil(full / seqs_per_shard)},
+    }
     # the closed-form sizing of pipeline.sim.control_plane (its own Valkey estimate) beside, as a check
     sized = size_for(c1, VOLUMES["50M/day"] / DAY_S, 16, decode_ms=row["p50_ms"], batch_size=demand["mean_batch_size"])
     # 3. saturation in the simulator: the router station driven at 0.5x, 0.9x, 1.2x and 1.5x of one router
@@ -337,6 +345,10 @@ def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                      f"{v['global_shard_utilisation']:>13.1%}")
     lines.append("one process carries at 70% (req/s): " + ", ".join(
         f"{k.removesuffix('_ms')} {v:,.0f}" for k, v in per_process_rps.items()) + " (batcher: per rack)")
+    lines.append(f"token flushes: one spread shard carries {seqs_per_shard:,.0f} decoding sequences at 70% "
+                 f"(one XADD each per {c1.token_flush_ms:.0f} ms); the seed's 20 k peak concurrency needs "
+                 f"{concurrency['seed_peak_20k']['valkey_shards']}, 1,000 GPUs full ({full:,} sequences) "
+                 f"{concurrency['full_1000_gpus']['valkey_shards']}")
     lines.append("router station in the simulator, 2 s of arrivals, admission off (mean / max wait ms; above capacity "
                  "the wait grows with the run's length):")
     for k, v in sat.items():
@@ -346,7 +358,8 @@ def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     for k, v in replay.items():
         lines.append(f"  {k:<28} {v['offered_rps']:>8} req/s  wait {v['mean_wait_ms']:>9} / {v['max_wait_ms']:>9}")
     run = {k: row[k] for k in ("requests", "completed", "p50_ms", "throughput_rps")}
-    return {"text": "\n".join(lines), "table": table, "demand_per_request_ms": demand, "demand_run": run,
+    return {"text": "\n".join(lines), "table": table, "demand_per_request_ms": demand, "concurrency": concurrency,
+            "demand_run": run,
             "router_saturation_sim": sat, "station_replay": replay, "utilisation_cap": cap,
             "calibration": str(cal_path), "claims": claims, "plot": str(out / "sizing.png")}
 
