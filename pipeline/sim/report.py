@@ -69,7 +69,7 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
         "simulated_s": round(res.end_ms / 1000.0, 1),
         "events": res.events,
         "nodes": len(res.node_names),
-    }
+    } | ({"control_plane": res.control_plane} if res.control_plane else {})
 
 
 def kv_util_peak(res: SimResult) -> float:

@@ -37,6 +37,7 @@ from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.rack_affinity import keeps_prefix_cache, rack_cached_tokens
 from pipeline.routing.registry import NodePolicySet, build_router
 from pipeline.routing.views import NodeView, RackView
+from pipeline.sim.control_plane import ControlPlaneCosts, Station
 from pipeline.sim.node import SimNode, SimSeq, StepCost
 from pipeline.sim.traces import TraceRequest
 
@@ -78,6 +79,10 @@ class SimParams:
     admission: bool = True
     """Shed requests as the gateway does (`pipeline.admission`: rack queue bound in requests and in seconds of
     work); off: every request is let in and queues."""
+    control_plane: ControlPlaneCosts | None = None
+    """Routers, per-rack batchers, Valkey shards, etcd and node links as service stations with measured costs
+    (`pipeline.sim.control_plane`); None (default): the control plane costs nothing but the two constant hops
+    above, as before."""
 
 
 @dataclass
@@ -88,6 +93,10 @@ class _Rack:
     policies: NodePolicySet
     timer_at: float | None = None
     outstanding: int = 0
+    station: Station | None = None
+    """The rack's batcher processes (control-plane costs on)."""
+    ready_at: float = -math.inf
+    """When the batcher has processed every request offered so far (control-plane costs on)."""
 
 
 @dataclass
@@ -126,6 +135,8 @@ class SimResult:
     """Requests the gateway's admission shed (429)."""
     host_hit_tokens: int = 0
     """Of `cached_tokens`, those loaded back from host memory."""
+    control_plane: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per station (control-plane costs on): utilisation, waits, backlog at the end."""
 
 
 class Simulator:
@@ -219,6 +230,18 @@ class Simulator:
         self.batch_sizes: list[int] = []
         self.events = 0
         self.completed = 0
+        self._cp = params.control_plane
+        self._routing: deque[tuple[float, int]] = deque()
+        """Requests whose routing decision is out at the given time (in order: FIFO stations, constant service)."""
+        if self._cp is not None:
+            cp = self._cp
+            self._st_router = Station(cp.routers)
+            self._st_global = Station(1)
+            self._st_spread = Station(cp.valkey_shards)
+            self._st_etcd = Station(cp.etcd_concurrency)
+            self._links: dict[int, Station] = {}
+            for r in self.racks.values():
+                r.station = Station(cp.batchers_per_rack)
 
     def _make_node(self, spec: NodeSpec, rack: str, cost: StepCost) -> SimNode:
         gpu = self.config.gpus[spec.gpu]
@@ -318,6 +341,22 @@ class Simulator:
             self.shed += 1
             self._drop(rid, "shed (429)")
             return
+        cp = self._cp
+        if cp is None:
+            self._route(rid, now)
+            return
+        # ingress XADD + the router's read + its decision XADD on the global streams' shard, then a router process
+        t = self._st_global.serve(now, cp.ingress_global_ms)
+        self._routing.append((self._st_router.serve(t, cp.router_ms), rid))
+
+    def _route(self, rid: int, now: float) -> None:
+        tr = self.reqs[rid]
+        model_name = tr.model or self.default_model
+        prof = self.config.policies.profiling
+        mem = self.mem_est[rid]
+        cp = self._cp
+        if cp is not None:
+            self._refresh_rack_work(now)
         cached = None
         if self.router.prefix_aware and tr.prefix_hashes and self.params.prefix_cache:
             cached = rack_cached_tokens(self.blocks.matches(tr.prefix_hashes), self.node_rack,
@@ -338,6 +377,12 @@ class Simulator:
         )
         rack = self.racks[d.rack]
         self._rack_load(rack, +1)
+        if cp is not None:
+            self._st_spread.charge(now, cp.xadd_ms)  # the rack request's XADD
+            assert rack.station is not None
+            done = rack.station.serve(now, cp.batcher_ms)
+            if done > rack.ready_at:
+                rack.ready_at = done
         rack.batcher.offer(PendingRequest(req, str(rid), now))
         self._try_close(rack, now)
 
@@ -423,7 +468,15 @@ class Simulator:
                 prefix = tr.prefix_hashes if p.request.prefix_cache else ()
                 prompt, remaining = self.requeued.pop(rid, (tr.in_tokens, tr.out_tokens))
                 seqs.append(SimSeq(rid, prompt, remaining, self.mem_est[rid], prefix))
-            self._push(now + self.params.dispatch_latency_ms, BATCH, (i, seqs))
+            cp = self._cp
+            if cp is None:
+                self._push(now + self.params.dispatch_latency_ms, BATCH, (i, seqs))
+                continue
+            # the batcher has read its requests (one read each), XADDs the batch, the worker reads it
+            t = self._st_spread.serve(now, len(seqs) * cp.read_ms + cp.xadd_ms + cp.read_ms)
+            if rack.ready_at > t:
+                t = rack.ready_at
+            self._push(t + self.params.dispatch_latency_ms, BATCH, (i, seqs))
         if b.pending_count and b.window_open_ms is not None:
             due = b.window_open_ms + self.config.policies.batcher.window_ms
             if rack.timer_at is None or rack.timer_at > due or rack.timer_at <= now:
@@ -449,6 +502,14 @@ class Simulator:
         node = self.nodes[i]
         if epoch != node.epoch or node.phase is None:
             return  # stale: the stretch was shortened or the node died
+        cp = self._cp
+        if cp is not None and node.decoding and cp.token_flush_ms > 0:
+            # the tokens of this iteration / stretch go out as one XADD per decoding sequence per flush interval
+            # (per step where a step is longer): charged as they are made, not at the end of the request
+            ph = node.phase
+            t0, steps = (cast(float, ph[3]), 1) if ph[0] == "prefill" else (cast(float, ph[1]), cast(int, ph[4]))
+            per_seq = min(float(steps), (now - t0) / cp.token_flush_ms)
+            self._st_spread.charge(now, len(node.decoding) * per_seq * cp.xadd_ms)
         res = node.finish_phase(now)
         if self.params.check_invariants:
             self._check(node)
@@ -458,6 +519,9 @@ class Simulator:
         rack = self.racks[node.rack]
         for f in res.finished:
             self.finish[f.rid] = f.finish_ms
+            if cp is not None:  # the result's XADD + read; the first token's XADD
+                self._st_global.charge(now, cp.result_global_ms)
+                self._st_spread.charge(now, cp.xadd_ms)
             self.completed += 1
             if not self._done_at and self.completed == 1:
                 self._first_done = f.finish_ms
@@ -500,7 +564,17 @@ class Simulator:
             if self.nodes[dst].rack != node.rack:
                 self._rack_load(rack, -1)
                 self._rack_load(self.racks[self.nodes[dst].rack], +1)
-            self._push(now + self.params.migration_latency_ms, BATCH, (dst, [s]))
+            cp = self._cp
+            if cp is None:
+                self._push(now + self.params.migration_latency_ms, BATCH, (dst, [s]))
+                continue
+            # the ownership compare-and-swap on etcd, then the sequence's KV over the source node's link
+            t = self._st_etcd.serve(now, cp.etcd_txn_ms)
+            link = self._links.get(src)
+            if link is None:
+                link = self._links[src] = Station(1)
+            kv = s.prompt * self.config.models[self.reqs[s.rid].model or self.default_model].kv_bytes_per_token
+            self._push(link.serve(t, kv / (cp.node_link_gbps * 1e6)), BATCH, (dst, [s]))
 
     def _fault(self, f: Fault, now: float) -> None:
         i = self.node_index.get(f.node)
@@ -551,9 +625,18 @@ class Simulator:
         now = 0.0
         report_every = max(1, n // 200)
         heap = self.heap
-        while nxt < n or heap:
+        routing = self._routing
+        while nxt < n or heap or routing:
             if nxt == n and self.completed + self.n_dropped >= n:
                 break  # every request is accounted for: what is left on the heap are faults with nothing to act on
+            if routing:  # control-plane costs on: a routing decision out of a router (it acts as an arrival)
+                tr_ = routing[0][0]
+                if ((nxt == n or tr_ <= self.reqs[nxt].arrival_ms)
+                        and (not heap or tr_ < heap[0][0] or (tr_ == heap[0][0] and heap[0][1] > ARRIVAL))):
+                    now, rid = routing.popleft()
+                    self._route(rid, now)
+                    self.events += 1
+                    continue
             if nxt < n and (not heap or self.reqs[nxt].arrival_ms < heap[0][0]
                             or (self.reqs[nxt].arrival_ms == heap[0][0] and heap[0][1] > ARRIVAL)):
                 now = self.reqs[nxt].arrival_ms
@@ -602,7 +685,19 @@ class Simulator:
             drop_reasons=self.drop_reasons, kv_bins=[x.kv_bins for x in self.nodes],
             util_bin_ms=self.params.util_bin_ms, preempted=len(self.preempted), shed=self.shed,
             host_hit_tokens=sum(x.host_hit_tokens for x in self.nodes),
+            control_plane=self._control_plane_report(span),
         )
+
+    def _control_plane_report(self, span: float) -> dict[str, dict[str, float]]:
+        if self._cp is None:
+            return {}
+        out = {"router": self._st_router.report(span), "valkey_global_shard": self._st_global.report(span),
+               "valkey_spread_shards": self._st_spread.report(span), "etcd": self._st_etcd.report(span)}
+        racks = [r.station.report(span) for r in self.racks.values() if r.station is not None]
+        if racks:
+            worst = max(racks, key=lambda x: x["utilisation"])
+            out["batcher_busiest_rack"] = worst
+        return out
 
 
 def _lookup(costs: dict[str, StepCost]) -> Callable[[NodeSpec], StepCost]:

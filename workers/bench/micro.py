@@ -37,8 +37,11 @@ def _req(i: int) -> RequestEvent:
 
 
 async def _bench_streams(redis_url: str, n: int, repeats: int = 3) -> dict[str, Any]:
+    from workers.bench.gateway import valkey_cpu_s
+
     events = [_req(i) for i in range(n)]
     enc, dec, xadd, consume = [], [], [], []
+    server_xadd_us, server_read_us = [], []  # Valkey's own CPU per entry: the shard's service time
     r = connect(redis_url)
     try:
         for rep in range(repeats):
@@ -51,10 +54,14 @@ async def _bench_streams(redis_url: str, n: int, repeats: int = 3) -> dict[str, 
             dec.append(n / (time.perf_counter() - t))
             stream = f"rf:bench:{uuid.uuid4().hex}"
             producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+            cpu0 = await valkey_cpu_s(redis_url)
             t = time.perf_counter()
             for i in range(0, n, 500):
                 await producer.add_many((stream, e) for e in events[i : i + 500])
             xadd.append(n / (time.perf_counter() - t))
+            cpu1 = await valkey_cpu_s(redis_url)
+            if cpu0 is not None and cpu1 is not None:
+                server_xadd_us.append((cpu1 - cpu0) * 1e6 / n)
             seen = [0]
             finished = asyncio.Event()
 
@@ -71,6 +78,9 @@ async def _bench_streams(redis_url: str, n: int, repeats: int = 3) -> dict[str, 
             consume.append(n / (time.perf_counter() - t))
             consumer.stop()
             await task
+            cpu2 = await valkey_cpu_s(redis_url)
+            if cpu1 is not None and cpu2 is not None:
+                server_read_us.append((cpu2 - cpu1) * 1e6 / n)
             await consumer.close()
             await r.delete(stream)
     finally:
@@ -82,6 +92,10 @@ async def _bench_streams(redis_url: str, n: int, repeats: int = 3) -> dict[str, 
         "codec_decode_per_s": round(statistics.median(dec)),
         "xadd_pipelined_per_s": round(statistics.median(xadd)),
         "consume_ack_per_s": round(statistics.median(consume)),
+        # Valkey's own CPU (INFO cpu) per entry appended / read and acknowledged: one shard's main thread saturates
+        # at 1e6 / these entries per second (the client rates above are one Python client's)
+        "valkey_cpu_us_per_xadd": round(statistics.median(server_xadd_us), 3) if server_xadd_us else None,
+        "valkey_cpu_us_per_read_ack": round(statistics.median(server_read_us), 3) if server_read_us else None,
     }
 
 
@@ -203,6 +217,7 @@ def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8
                                                        node_blocks=2000))
                 for r in rack_names}
         samples = []
+        rack_samples: list[float] = []  # the router's part: prefix lookup, rack choice, prefix-cache rule
         t_all = time.perf_counter()
         for i in range(iterations):
             q = reqs[i % len(reqs)]
@@ -210,6 +225,7 @@ def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8
             cached = rack_cached_tokens(blocks.matches(q.prefix_hashes), node_rack, 512, q.in_tokens)
             d = router.route(q.user_id, q.model, views, cached)
             keeps_prefix_cache(rule.enabled, rule.min_tokens, q.in_tokens, d, True)
+            rack_samples.append(time.perf_counter() - t)
             pol = sets[d.rack or rack_names[0]].get(name)
             ch = pol.choose(nodes[d.rack or rack_names[0]], q)
             if ch.node is not None:
@@ -217,13 +233,17 @@ def bench_route(iterations: int = 20000, racks: int = 8, nodes_per_rack: int = 8
             samples.append(time.perf_counter() - t)
         total = time.perf_counter() - t_all
         p50, p99 = _percentiles_us(samples)
-        per_policy[name] = {"decisions_per_s": round(iterations / total), "p50_us": p50, "p99_us": p99}
+        r50, r99 = _percentiles_us(rack_samples)
+        per_policy[name] = {"decisions_per_s": round(iterations / total), "p50_us": p50, "p99_us": p99,
+                            "rack_p50_us": r50, "rack_p99_us": r99}
     out["by_policy"] = per_policy
     default = NodeSelectionPolicy().policy
     out["policy"] = default
     out["decisions_per_s"] = per_policy[default]["decisions_per_s"]
     out["p99_us"] = per_policy[default]["p99_us"]
     out["p50_us"] = per_policy[default]["p50_us"]
+    out["router_rack_p50_us"] = per_policy[default]["rack_p50_us"]
+    out["router_rack_p99_us"] = per_policy[default]["rack_p99_us"]
     return out
 
 

@@ -196,6 +196,7 @@ def bench_pipeline(redis_url: str, etcd_url: str, requests: int = 20_000, progre
     celery = [celery_baseline(redis_url, n=1500, progress=progress) for _ in range(repeats)]
     celery_rps = statistics.median(celery)
     floods: list[float] = []
+    cpu_ms: dict[str, list[float]] = {}
     lost = dups = errors = 0
     n_total = 0
     with tempfile.TemporaryDirectory(prefix="rackflow-bench-") as tmp:
@@ -205,11 +206,18 @@ def bench_pipeline(redis_url: str, etcd_url: str, requests: int = 20_000, progre
         procs.start()
         try:
             asyncio.run(wait_cluster_ready(config, redis_url, etcd_url))
+            from workers.bench.gateway import cpu_snapshot
+
             per = max(1000, requests // repeats)
             for k in range(repeats):
                 items = _items(per, 4)
+                cpu0 = cpu_snapshot(procs, redis_url)
                 results, counts, finish, _t0 = run_async(
                     _flood(config, redis_url, items, None, progress, f"pipeline {k + 1}/{repeats}"))
+                cpu1 = cpu_snapshot(procs, redis_url)
+                for role in cpu1:  # CPU per request of each role's process(es): its service time
+                    if role in cpu0 and results:
+                        cpu_ms.setdefault(role, []).append((cpu1[role] - cpu0[role]) * 1000.0 / len(results))
                 n = len(finish)
                 if n >= 8:
                     a, b = finish[n // 4], finish[3 * n // 4]
@@ -247,6 +255,10 @@ def bench_pipeline(redis_url: str, etcd_url: str, requests: int = 20_000, progre
         "lost": lost,
         "duplicates": dups,
         "errors": errors,
+        # CPU ms per request of each role during the floods (medians): the router's and the batcher's per-request
+        # service time (both workers summed under `worker`; `valkey` from its INFO cpu)
+        "cpu_ms_per_request": {k: round(statistics.median(v), 4) for k, v in sorted(cpu_ms.items())},
+        "cpu_ms_per_request_runs": {k: [round(x, 4) for x in v] for k, v in sorted(cpu_ms.items())},
     }
 
 

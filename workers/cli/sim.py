@@ -12,6 +12,7 @@ from typing import Any
 
 from pipeline.config import RackflowConfig
 from pipeline.sim.simulator import SimParams, SimResult
+from workers.sim.calibrate import control_plane_costs
 from workers.sim.harness import (
     AZURE_CONV,
     REPO,
@@ -27,13 +28,18 @@ from workers.sim.harness import (
 def _common(args: argparse.Namespace, policy: str | None) -> tuple[RackflowConfig, SimParams]:
     cfg = sim_config(Path(args.config_dir), [Path(p) for p in args.config], args.cluster, policy,
                      {"batcher": {"window_ms": args.window_ms}} if args.window_ms else None)
-    params = SimParams(batching=args.batching, fixed_batch=args.fixed_batch, prefix_cache=not args.no_prefix_cache)
+    params = SimParams(batching=args.batching, fixed_batch=args.fixed_batch, prefix_cache=not args.no_prefix_cache,
+                       control_plane=control_plane_costs(args, cfg))
     return cfg, params
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
     if args.action == "validate":
         return cmd_validate(args)
+    if args.action == "calibrate-control-plane":
+        from workers.sim.calibrate import cmd_calibrate
+
+        return cmd_calibrate(args)
     default_trace(args)
     seed = args.seed
     if args.action == "run":
@@ -120,9 +126,17 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
 
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies")
-    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate"])
-    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto; "
-                                           "trace: multiturn")
+    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate",
+                                       "calibrate-control-plane"])
+    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto | "
+                                           "sizing; trace: multiturn")
+    s.add_argument("--control-plane", nargs="?", const="", default=None, metavar="FILE",
+                   help="model routers, batchers, Valkey shards, etcd and node links as stations with the measured "
+                        "costs of FILE (default data/calibration/control-plane.json); off without this flag")
+    s.add_argument("--routers", type=int, default=1, help="with --control-plane: router processes")
+    s.add_argument("--batchers-per-rack", type=int, default=1, help="with --control-plane: batcher processes per rack")
+    s.add_argument("--valkey-shards", type=int, default=1,
+                   help="with --control-plane: shards the per-rack/node/request streams spread over")
     s.add_argument("--trace", default=None, help=f"trace file (default for azure: {AZURE_CONV.relative_to(REPO)})")
     s.add_argument("--format", default="azure", choices=["azure", "mooncake", "synthetic"])
     s.add_argument("--cluster", default=None, help="YAML with a `cluster:` (and optionally other sections) "
@@ -142,6 +156,14 @@ def add_parser(sub: Any) -> None:
                                                                   "experiments pick their own)")
     s.add_argument("--sizes", default=None, help="scale-pareto: GPU counts, e.g. 64,128,256,512,1024")
     s.add_argument("--requests", type=int, default=None, help="use the first N requests")
+    s.add_argument("--flood-requests", type=int, default=None,
+                   help="scale-pareto: requests of the capacity floods (default 80,000)")
+    s.add_argument("--capacity-sizes", default=None,
+                   help="scale-pareto: GPU counts whose capacity is measured (default 512,1024 where in --sizes)")
+    s.add_argument("--flood-scale", type=float, default=None,
+                   help="scale-pareto: the floods arrive this many times faster than the seed's load (default 40)")
+    s.add_argument("--sat-racks", type=int, default=None, help="sizing: racks of the router-saturation cluster (16)")
+    s.add_argument("--sat-seconds", type=float, default=None, help="sizing: seconds of arrivals per saturation run")
     s.add_argument("--superpose", type=int, default=1, help="K independent copies of the trace over the same hour "
                                                             "(K x the load; 11 x Azure conv = the seed's 5 M/day)")
     s.add_argument("--users", type=int, default=2000, help="users drawn (Zipf) for requests without one")

@@ -8,24 +8,32 @@ the seed's claim printed next to what we measure (our numbers may differ; they a
   32 against the 100 ms memory-budget window (and 200 ms), with the seed's memory formula and with the shape estimate
   against the engines' real free KV, and the estimate's margin swept: KV utilisation at saturation and preemptions.
 - scale-pareto: 64 to 1,024 GPUs at the seed's load (5 M requests/day = 208 k requests in the hour: the Azure trace
-  superposed 11 times); cost per request against P95 latency, and the capacity ratio of 1,024 vs 512 GPUs.
+  superposed 11 times); cost per request against P95 latency, and the capacity ratio of 1,024 vs 512 GPUs, without
+  and with the measured control-plane costs (`--control-plane`: routers, batchers, Valkey shards as stations).
+- sizing: routers, batchers per rack and Valkey shards per 1,000 GPUs at 5 M and 50 M requests/day, from the
+  measured per-process costs (`data/calibration/control-plane.json`) at a 70% utilisation cap; the per-request
+  Valkey demand measured by a simulation; each station driven past one process's capacity in the simulator to
+  show where its queue explodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import RackflowConfig
+from pipeline.sim.control_plane import ControlPlaneCosts, Station, size_for
 from pipeline.sim.simulator import Fault, SimParams, SimResult
 from pipeline.sim.traces import TraceRequest, assign_users, parse_azure, parse_mooncake, scale_rate, superpose
 from workers.sim.harness import AZURE_CONV, REPO, format_table, plot_compare, run_once, sim_config
 
-EXPERIMENTS = ("roundrobin-vs-weighted", "window-batching", "scale-pareto")
+EXPERIMENTS = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing")
 
 
 def _cluster(racks: int, nodes_per_rack: int, gpu: str = "h100-80gb", tp: int = 8, model: str = "qwen2-72b"
@@ -148,44 +156,263 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     seed = args.seed
     base = _azure(None, 1.0, seed)
     copies = 11  # 11 x 19,366 = 213 k requests in 58 min: the seed's 5 M/day
-    load = superpose(base, copies, random.Random(seed + 2))
-    if args.requests:
-        load = load[: args.requests]
+    full = superpose(base, copies, random.Random(seed + 2))
+    load = full[: args.requests] if args.requests else full
     sizes = [int(x) for x in (args.sizes or "64,128,256,512,1024").split(",")]
     table: dict[str, dict[str, Any]] = {}
     price = None
+    cp = _costs(args)
     for gpus in sizes:
         nodes = gpus // 8
         racks = max(1, nodes // 8)
         cfg = _config(args, _cluster(racks, nodes // racks), "weighted", seed)
         price = cfg.gpus["h100-80gb"].price_per_hour
-        row, _res = run_once(cfg, load, SimParams(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} GPUs")
+        row, _res = run_once(cfg, load, SimParams(control_plane=cp), [], "qwen2-72b", not args.no_progress,
+                             label=f"{gpus} GPUs")
         hours = max(1e-9, row["simulated_s"] / 3600.0)
         row["cost_per_request_usd"] = round(gpus * price * hours / max(1, row["completed"]), 6)
         table[str(gpus)] = row
     # capacity: the same clusters flooded (80 k requests arriving 40x faster than the seed's load, above what either
     # size serves, for about a minute); completions per second in the steady middle half measure what each can do
     capacity: dict[str, float] = {}
-    for gpus in (512, 1024):
-        if gpus not in sizes:
+    capacity_cp: dict[str, float] = {}
+    stations: dict[str, Any] = {}
+    flood = args.flood_requests or 80_000
+    cap_sizes = [int(x) for x in args.capacity_sizes.split(",")] if args.capacity_sizes else [512, 1024]
+    flood_scale = args.flood_scale or 40.0
+    for gpus in cap_sizes:
+        if gpus not in sizes and not args.capacity_sizes:
             continue
         nodes = gpus // 8
         cfg = _config(args, _cluster(nodes // 8, 8), "weighted", seed)
-        heavy = list(scale_rate(load[:80_000], 40.0))
+        heavy = list(scale_rate(full[:flood], flood_scale))  # the floods do not depend on --requests
         row, _ = run_once(cfg, heavy, SimParams(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
         capacity[str(gpus)] = row["steady_throughput_rps"]
+        if cp is not None:
+            row, _ = run_once(cfg, heavy, SimParams(control_plane=cp), [], "qwen2-72b", not args.no_progress,
+                              label=f"{gpus} overload, control-plane costs")
+            capacity_cp[str(gpus)] = row["steady_throughput_rps"]
+            stations[str(gpus)] = row.get("control_plane", {})
     _plot_pareto(table, out / "scale-pareto.png")
+    both = "512" in capacity and "1024" in capacity
     claims = [{
         "throughput_1024_vs_512": (f"{_pct(capacity['512'], capacity['1024'])} (capacity at overload)"
-                                   if "512" in capacity and "1024" in capacity else "n/a"),
+                                   if both else "n/a"),
+        "throughput_1024_vs_512_control_plane": (
+            f"{_pct(capacity_cp['512'], capacity_cp['1024'])} (capacity at overload, measured control-plane costs)"
+            if "512" in capacity_cp and "1024" in capacity_cp else "n/a (run with --control-plane)"),
         "seed": "+22% (1024 vs 512 GPUs), P95 +9%",
         "p95_ms": {k: v["p95_ms"] for k, v in table.items()},
         "cost_per_request_usd": {k: v["cost_per_request_usd"] for k, v in table.items()},
         "sim_wall_s_1024": table.get("1024", {}).get("sim_wall_s"),
         "requests_1024": table.get("1024", {}).get("requests"),
     }]
-    return {"table": table, "capacity_rps": capacity, "claims": claims, "plot": str(out / "scale-pareto.png"),
+    return {"table": table, "capacity_rps": capacity, "capacity_rps_control_plane": capacity_cp,
+            "control_plane_stations_at_overload": stations, "flood_requests": flood, "flood_scale": flood_scale,
+            "control_plane": _cp_settings(cp), "claims": claims, "plot": str(out / "scale-pareto.png"),
             "price_per_gpu_hour": price}
+
+
+def _costs(args: argparse.Namespace) -> ControlPlaneCosts | None:
+    from workers.sim.calibrate import control_plane_costs
+
+    return control_plane_costs(args, _config(args, _cluster(1, 1), "weighted", args.seed))
+
+
+def _cp_settings(cp: ControlPlaneCosts | None) -> dict[str, Any] | None:
+    if cp is None:
+        return None
+    return dataclasses.asdict(cp)
+
+
+DAY_S = 86_400.0
+VOLUMES = {"5M/day": 5_000_000, "50M/day": 50_000_000}
+
+
+def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Processes per 1,000 GPUs from the measured costs; the per-request Valkey demand and the saturation points
+    measured in the simulator."""
+    from workers.sim.calibrate import CALIBRATION, load_calibration
+
+    seed = args.seed
+    cal_path = Path(args.control_plane) if getattr(args, "control_plane", None) else CALIBRATION
+    cal = load_calibration(cal_path)
+    cfg0 = _config(args, _cluster(1, 8), "weighted", seed)
+    c1 = ControlPlaneCosts.from_calibration(cal, token_flush_ms=float(cfg0.policies.worker.token_flush_ms))
+    cap = 0.7
+    # 1. per-request demand on each station, measured by a simulation at a moderate load: 8 H100 TP8 nodes
+    #    (Qwen2-72B), the Azure conversation trace at 4x its rate (its decode times set the token flushes)
+    reqs = _azure(args.requests or 3000, args.rate_scale or 4.0, seed)
+    row, res = run_once(cfg0, reqs, SimParams(control_plane=c1), [], "qwen2-72b", not args.no_progress,
+                        label="demand per request")
+    st = row["control_plane"]
+    done = max(1, row["completed"])
+    demand = {
+        "router_ms": c1.router_ms,
+        "batcher_ms": c1.batcher_ms,
+        "valkey_global_shard_ms": round(st["valkey_global_shard"]["busy_ms"] / done, 5),
+        "valkey_spread_shard_ms": round(st["valkey_spread_shards"]["busy_ms"] / done, 5),
+        "mean_batch_size": round(sum(res.batch_sizes) / max(1, len(res.batch_sizes)), 2),
+    }
+    per_process_rps = {k: round(cap * 1000.0 / v, 1) for k, v in demand.items() if k.endswith("_ms")}
+    # 2. the table: per 1,000 GPUs (15.6 racks of 8 TP8 nodes), each volume at its mean rate
+    racks_per_1000 = 1000.0 / 64.0
+    table: dict[str, dict[str, Any]] = {}
+    for label, vol in VOLUMES.items():
+        rps = vol / DAY_S
+        table[label] = {
+            "mean_rps": round(rps, 1),
+            "routers": max(1, math.ceil(rps * demand["router_ms"] / 1000.0 / cap)),
+            "batchers_per_rack": max(1, math.ceil(rps / racks_per_1000 * demand["batcher_ms"] / 1000.0 / cap)),
+            "valkey_shards": max(1, math.ceil(rps * demand["valkey_spread_shard_ms"] / 1000.0 / cap)),
+            "global_shard_utilisation": round(rps * demand["valkey_global_shard_ms"] / 1000.0, 4),
+            "router_utilisation_with_1": round(rps * demand["router_ms"] / 1000.0, 4),
+            "batcher_utilisation_with_1": round(rps / racks_per_1000 * demand["batcher_ms"] / 1000.0, 4),
+            "shard_utilisation_with_1": round(rps * demand["valkey_spread_shard_ms"] / 1000.0, 4),
+        }
+    # the token flushes bind on concurrency, not on the request rate: one XADD per decoding sequence per flush
+    seqs_per_shard = cap * c1.token_flush_ms / c1.xadd_ms
+    full = 1000 // 8 * cfg0.policies.worker.max_running  # 125 TP8 nodes x max_running sequences each
+    concurrency = {
+        "decoding_seqs_per_shard_at_70pct": round(seqs_per_shard),
+        "seed_peak_20k": {"concurrency": 20_000, "valkey_shards": math.ceil(20_000 / seqs_per_shard)},
+        "full_1000_gpus": {"concurrency": full, "valkey_shards": math.ceil(full / seqs_per_shard)},
+    }
+    # the closed-form sizing of pipeline.sim.control_plane (its own Valkey estimate) beside, as a check
+    sized = size_for(c1, VOLUMES["50M/day"] / DAY_S, 16, decode_ms=row["p50_ms"], batch_size=demand["mean_batch_size"])
+    # 3. saturation in the simulator: the router station driven at 0.5x, 0.9x, 1.2x and 1.5x of one router
+    #    process's capacity (1 / router_ms), with one router and with the count sized for that rate; a 16-rack
+    #    cluster of Qwen2-7B nodes, admission off (every request reaches the router), 2 s of arrivals
+    one = 1000.0 / c1.router_ms
+    base = _azure(None, 1.0, seed)
+    base_rps = len(base) / max(1e-9, (base[-1].arrival_ms - base[0].arrival_ms) / 1000.0)
+    sat: dict[str, dict[str, Any]] = {}
+    results: dict[str, SimResult] = {}
+    cfg7 = _config(args, _cluster(args.sat_racks or 16, 8, tp=1, model="qwen2-7b"), "round_robin", seed)
+    for mult in (0.5, 0.9, 1.2, 1.5):
+        rate = mult * one
+        n = int(rate * (args.sat_seconds or 2.0))
+        load = _azure(n, rate / base_rps, seed)
+        need = max(1, math.ceil(rate * c1.router_ms / 1000.0 / cap))
+        for routers in sorted({1, need}):
+            cp = ControlPlaneCosts.from_calibration(cal, routers=routers, batchers_per_rack=1, valkey_shards=16,
+                                                    token_flush_ms=c1.token_flush_ms)
+            r, rr = run_once(cfg7, load, SimParams(control_plane=cp, admission=False), [], "qwen2-7b",
+                             not args.no_progress, label=f"router x{routers} at {mult}x")
+            key = f"{mult}x/{routers} router{'s' if routers > 1 else ''}"
+            rs = r["control_plane"]["router"]
+            sat[key] = {"offered_rps": round(rate, 1), "routers": routers,
+                        "offered_utilisation": round(rate * c1.router_ms / 1000.0 / routers, 3),
+                        "mean_wait_ms": rs["mean_wait_ms"], "max_wait_ms": rs["max_wait_ms"],
+                        "backlog_ms": rs["backlog_ms"], "ttft_p50_ms": r["ttft_p50_ms"],
+                        "ttft_p99_ms": r["ttft_p99_ms"], "requests": n, "sim_wall_s": r["sim_wall_s"]}
+            if routers == 1:
+                results[f"{mult}x, 1 router"] = rr
+    # 4. a rack's batcher the same way: one rack of 32 Qwen2-7B nodes, every request to it, half as long
+    bsat: dict[str, dict[str, Any]] = {}
+    cfg_b = _config(args, _cluster(1, 32, tp=1, model="qwen2-7b"), "round_robin", seed)
+    for mult in (0.5, 0.9, 1.2, 1.5):
+        rate = mult * 1000.0 / c1.batcher_ms
+        n = int(rate * (args.sat_seconds or 2.0) / 2)
+        load = _azure(n, rate / base_rps, seed)
+        need = max(1, math.ceil(rate * c1.batcher_ms / 1000.0 / cap))
+        for k in sorted({1, need}):
+            cp = ControlPlaneCosts.from_calibration(cal, routers=4, batchers_per_rack=k, valkey_shards=16,
+                                                    token_flush_ms=c1.token_flush_ms)
+            r, _rr = run_once(cfg_b, load, SimParams(control_plane=cp, admission=False), [], "qwen2-7b",
+                              not args.no_progress, label=f"batcher x{k} at {mult}x")
+            bs = r["control_plane"]["batcher_busiest_rack"]
+            bsat[f"{mult}x/{k} batcher{'s' if k > 1 else ''}"] = {
+                "offered_rps": round(rate, 1), "batchers": k,
+                "offered_utilisation": round(rate * c1.batcher_ms / 1000.0 / k, 3),
+                "mean_wait_ms": bs["mean_wait_ms"], "max_wait_ms": bs["max_wait_ms"], "ttft_p50_ms": r["ttft_p50_ms"],
+                "requests": n, "sim_wall_s": r["sim_wall_s"]}
+    # 5. a Valkey shard on the same Station code, replaying the trace's arrivals at multiples of one shard's
+    #    capacity at the measured per-request demand (the simulator's clusters here do not decode enough
+    #    sequences at once to load one)
+    replay: dict[str, dict[str, Any]] = {}
+    for name, svc in (("valkey_spread_shard", demand["valkey_spread_shard_ms"]),):
+        for mult in (0.5, 0.9, 1.2, 1.5):
+            rate = mult * 1000.0 / svc
+            n = int(rate * 4.0)
+            arr = _azure(n, rate / base_rps, seed)
+            for k in sorted({1, max(1, math.ceil(rate * svc / 1000.0 / cap))}):
+                s = Station(k)
+                for q in arr:
+                    s.serve(q.arrival_ms, svc)
+                rep = s.report(arr[-1].arrival_ms - arr[0].arrival_ms)
+                replay[f"{name} {mult}x/{k}"] = {"offered_rps": round(rate, 1), "servers": k,
+                                                  "utilisation": rep["utilisation"],
+                                                  "mean_wait_ms": rep["mean_wait_ms"],
+                                                  "max_wait_ms": rep["max_wait_ms"]}
+    _plot_sizing(sat, out / "sizing.png")
+    claims = [{
+        "per_process_rps_at_70pct": per_process_rps,
+        "sizing_per_1000_gpus": {k: {x: v[x] for x in ("routers", "batchers_per_rack", "valkey_shards")}
+                                 for k, v in table.items()},
+        "closed_form_50M": {"routers": sized.routers, "batchers_per_rack": sized.batchers_per_rack,
+                            "valkey_shards": sized.valkey_shards},
+        "router_saturation": {k: v["mean_wait_ms"] for k, v in sat.items()},
+        "batcher_saturation": {k: v["mean_wait_ms"] for k, v in bsat.items()},
+        "seed": "not stated (the seed gives no process counts)",
+    }]
+    lines = ["per 1,000 GPUs (15.6 racks of 8 H100 TP8 nodes), at the mean rate, each station <= 70% utilised:",
+             f"{'volume':<9} {'req/s':>7} {'routers':>8} {'batchers/rack':>14} {'valkey shards':>14} "
+             f"{'1 router':>9} {'1 batcher':>10} {'1 shard':>8} {'global shard':>13}"]
+    for label, v in table.items():
+        lines.append(f"{label:<9} {v['mean_rps']:>7} {v['routers']:>8} {v['batchers_per_rack']:>14} "
+                     f"{v['valkey_shards']:>14} {v['router_utilisation_with_1']:>9.1%} "
+                     f"{v['batcher_utilisation_with_1']:>10.1%} {v['shard_utilisation_with_1']:>8.1%} "
+                     f"{v['global_shard_utilisation']:>13.1%}")
+    lines.append("one process carries at 70% (req/s): " + ", ".join(
+        f"{k.removesuffix('_ms')} {v:,.0f}" for k, v in per_process_rps.items()) + " (batcher: per rack)")
+    lines.append(f"token flushes: one spread shard carries {seqs_per_shard:,.0f} decoding sequences at 70% "
+                 f"(one XADD each per {c1.token_flush_ms:.0f} ms); the seed's 20 k peak concurrency needs "
+                 f"{concurrency['seed_peak_20k']['valkey_shards']}, 1,000 GPUs full ({full:,} sequences) "
+                 f"{concurrency['full_1000_gpus']['valkey_shards']}")
+    lines.append("router station in the simulator, 2 s of arrivals, admission off (mean / max wait ms; above capacity "
+                 "the wait grows with the run's length):")
+    for k, v in sat.items():
+        lines.append(f"  {k:<18} {v['offered_rps']:>8} req/s  wait {v['mean_wait_ms']:>9} / {v['max_wait_ms']:>9} ms"
+                     f"  offered {v['offered_utilisation']:.2f} of capacity  TTFT p50 {v['ttft_p50_ms']} ms")
+    lines.append("a rack's batcher in the simulator, 1 rack x 32 nodes, 1 s of arrivals, admission off "
+                 "(mean / max wait ms):")
+    for k, v in bsat.items():
+        lines.append(f"  {k:<18} {v['offered_rps']:>8} req/s  wait {v['mean_wait_ms']:>9} / {v['max_wait_ms']:>9} ms"
+                     f"  offered {v['offered_utilisation']:.2f} of capacity  TTFT p50 {v['ttft_p50_ms']} ms")
+    lines.append("a Valkey spread shard on the same Station code, trace arrivals (mean / max wait ms):")
+    for k, v in replay.items():
+        lines.append(f"  {k:<28} {v['offered_rps']:>8} req/s  wait {v['mean_wait_ms']:>9} / {v['max_wait_ms']:>9}")
+    run = {k: row[k] for k in ("requests", "completed", "p50_ms", "throughput_rps")}
+    return {"text": "\n".join(lines), "table": table, "demand_per_request_ms": demand, "concurrency": concurrency,
+            "demand_run": run, "router_saturation_sim": sat, "batcher_saturation_sim": bsat,
+            "station_replay": replay, "utilisation_cap": cap,
+            "calibration": str(cal_path), "claims": claims, "plot": str(out / "sizing.png")}
+
+
+def _plot_sizing(sat: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    by: dict[int, list[tuple[float, float]]] = {}
+    for v in sat.values():
+        by.setdefault(v["routers"], []).append((v["offered_rps"], max(1e-3, v["mean_wait_ms"])))
+    for k, pts in sorted(by.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{k} router process{'es' if k > 1 else ''}")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (req/s)")
+    ax.set_ylabel("mean wait for a router (ms, log)")
+    ax.set_title("Router station in the simulator (measured per-decision cost)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _plot_pareto(table: dict[str, dict[str, Any]], path: Path) -> None:
@@ -219,13 +446,13 @@ def run_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out or f"report/sim-{name}")
     out.mkdir(parents=True, exist_ok=True)
     fn = {"roundrobin-vs-weighted": roundrobin_vs_weighted, "window-batching": window_batching,
-          "scale-pareto": scale_pareto}[name]
+          "scale-pareto": scale_pareto, "sizing": sizing}[name]
     result = fn(args, out)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
-        print(format_table(result["table"]))
+        print(result["text"] if "text" in result else format_table(result["table"]))
         print("\nseed's claims next to ours:")
         for c in result["claims"]:
             print(json.dumps(c, sort_keys=True))

@@ -1,0 +1,189 @@
+"""Control-plane costs in the simulator: stations saturate at servers / service, the sizing arithmetic, the committed
+calibration file and its provenance, and costs off = the simulator exactly as before."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import DEFAULT_CONFIG_DIR, NodeSpec, RackflowConfig, parse_config, raw_config
+from pipeline.costmodel import CalibratedCostModel
+from pipeline.sim.control_plane import ControlPlaneCosts, Station, size_for, valkey_ms_per_request
+from pipeline.sim.simulator import Fault, SimParams, Simulator
+from pipeline.sim.traces import TraceRequest, assign_users, parse_azure, scale_rate
+
+REPO = Path(__file__).resolve().parents[2]
+AZURE = REPO / "data" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+CALIBRATION = REPO / "data" / "calibration" / "control-plane.json"
+
+
+def _waits(interval_ms: float, service_ms: float, n: int = 2000, servers: int = 1) -> list[float]:
+    s = Station(servers)
+    out = []
+    for i in range(n):
+        t = i * interval_ms
+        out.append(s.serve(t, service_ms) - t - service_ms)
+    return out
+
+
+def test_station_below_capacity_never_waits() -> None:
+    assert max(_waits(1.0, 0.9)) < 1e-9  # 1,111 req/s capacity, 1,000 offered
+
+
+def test_station_above_capacity_wait_grows_linearly() -> None:
+    w = _waits(1.0, 1.25)  # capacity 800 req/s, 1,000 offered: each request waits 0.25 ms more than the last
+    assert w[-1] == pytest.approx(0.25 * (len(w) - 1))
+    assert w[len(w) // 2] < w[-1]
+
+
+def test_k_servers_saturate_at_k_over_service() -> None:
+    assert max(_waits(1.0, 3.9, servers=4)) < 1e-9  # 4 / 3.9 ms > 1 per ms
+    w = _waits(1.0, 4.4, servers=4)  # 4 / 4.4 ms < 1 per ms: the queue grows by 0.1 ms per request
+    assert w[-1] == pytest.approx(0.1 * (len(w) - 1))
+
+
+def test_station_report_utilisation() -> None:
+    s = Station(2)
+    for i in range(100):
+        s.serve(float(i), 1.0)
+    assert s.report(100.0)["utilisation"] == pytest.approx(0.5)
+
+
+def _costs(**kw: float) -> ControlPlaneCosts:
+    base = {"router_ms": 0.1, "batcher_ms": 0.2, "xadd_ms": 0.003, "read_ms": 0.002, "etcd_txn_ms": 18.0,
+            "etcd_concurrency": 32, "node_link_gbps": 25.0}
+    base.update(kw)
+    return ControlPlaneCosts(**base)  # type: ignore[arg-type]
+
+
+def test_sizing_math() -> None:
+    c = _costs()
+    # 7,000 req/s x 0.1 ms = 0.7 of a router: one router at the 70% cap, two just above it
+    assert size_for(c, 7000.0, 16, decode_ms=0.0, batch_size=1).routers == 1
+    assert size_for(c, 7001.0, 16, decode_ms=0.0, batch_size=1).routers == 2
+    # batchers per rack: 16 racks x 3,500 req/s x 0.2 ms = 0.7 per rack
+    assert size_for(c, 16 * 3500.0, 16, decode_ms=0.0, batch_size=1).batchers_per_rack == 1
+    assert size_for(c, 16 * 3600.0, 16, decode_ms=0.0, batch_size=1).batchers_per_rack == 2
+    glob, spread = valkey_ms_per_request(c, decode_ms=5000.0, batch_size=10.0)
+    assert glob == pytest.approx(3 * 0.003 + 2 * 0.002)
+    assert spread == pytest.approx((0.005) * 1.1 + (1 + 100) * 0.003)
+    s = size_for(c, 1000.0, 16, decode_ms=5000.0, batch_size=10.0)
+    assert s.valkey_shards == math.ceil(1000.0 * spread / 1000.0 / 0.7)
+    with pytest.raises(ValueError):
+        size_for(c, 1.0, 1, 0.0, 1.0, cap=0.0)
+
+
+def test_calibration_file_loads_with_provenance() -> None:
+    cal = json.loads(CALIBRATION.read_text())
+    prov = cal["provenance"]
+    assert prov["command"].startswith("rackflow sim calibrate-control-plane")
+    assert prov["date_utc"] and prov["machine"]["cpus"] >= 1 and prov["git_head"]
+    assert {"streams", "route", "pipeline", "etcd", "network"} <= set(cal["raw"])
+    assert cal["raw"]["etcd"]["url_members"] == 3
+    c = ControlPlaneCosts.from_calibration(cal)
+    for v in (c.router_ms, c.batcher_ms, c.xadd_ms, c.read_ms, c.etcd_txn_ms, c.node_link_gbps):
+        assert 0 < v < 1e4
+    # derived figures are the raw medians, not typed in
+    d = cal["derived"]
+    assert d["router_ms_per_decision"] == cal["raw"]["pipeline"]["cpu_ms_per_request"]["router"]
+    assert d["batcher_ms_per_request"] == cal["raw"]["pipeline"]["cpu_ms_per_request"]["batcher"]
+    assert d["valkey_xadd_ms"] == pytest.approx(cal["raw"]["streams"]["valkey_cpu_us_per_xadd"] / 1000, rel=1e-3)
+
+
+def _cfg() -> RackflowConfig:
+    raw = raw_config(DEFAULT_CONFIG_DIR)
+    raw["cluster"] = {"racks": [{"name": f"r{i}", "node_count": 4,
+                                 "node": {"gpu": "h100-80gb", "tp": 1, "models": ["qwen2-7b"]}} for i in range(2)]}
+    return parse_config(raw)
+
+
+def _reqs(n: int, rate: float) -> list[TraceRequest]:
+    with open(AZURE, newline="") as fh:
+        reqs = list(parse_azure(fh, n))
+    return assign_users(list(scale_rate(reqs, rate)), 300, 1.1, random.Random(3))
+
+
+def _cost(cfg: RackflowConfig):  # type: ignore[no-untyped-def]
+    cache: dict[str, CalibratedCostModel] = {}
+
+    def make(spec: NodeSpec) -> CalibratedCostModel:
+        if spec.gpu not in cache:
+            cache[spec.gpu] = CalibratedCostModel.for_node(cfg, spec)
+        return cache[spec.gpu]
+
+    return make
+
+
+# the same run on the code before the control-plane costs (commit 5fd0238), hashed: costs off changes nothing
+BEFORE = "613f1534422b80c2095c3183bca28abbe9dc37dbadb83ddc0aaefb848a178e14"
+
+
+def test_costs_off_is_the_simulator_as_before() -> None:
+    cfg = _cfg()
+    res = Simulator(cfg, _reqs(1500, 20.0), _cost(cfg), params=SimParams(),
+                    faults=[Fault(20_000.0, "r0-n1", "death")]).run()
+    h = hashlib.sha256(repr((res.first_token, res.finish, res.node_of, res.dropped, res.migrations,
+                             res.events)).encode()).hexdigest()
+    assert h == BEFORE
+    assert res.control_plane == {}
+
+
+def _ttft_p50(res) -> float:  # type: ignore[no-untyped-def]
+    t = sorted(res.first_token[i] - res.arrival[i] for i in range(len(res.arrival)) if res.first_token[i] >= 0)
+    return t[len(t) // 2]
+
+
+def test_router_station_saturates_in_the_simulator() -> None:
+    cfg = _cfg()
+    reqs = _reqs(600, 20.0)
+    rate = len(reqs) / ((reqs[-1].arrival_ms - reqs[0].arrival_ms) / 1000.0)
+    off = Simulator(cfg, reqs, _cost(cfg), params=SimParams(admission=False)).run()
+    # a router at 0.8x and at 2x of the offered rate's capacity
+    fast = _costs(router_ms=0.8 * 1000.0 / rate)
+    slow = _costs(router_ms=2.0 * 1000.0 / rate)
+    r_fast = Simulator(cfg, reqs, _cost(cfg), params=SimParams(admission=False, control_plane=fast)).run()
+    r_slow = Simulator(cfg, reqs, _cost(cfg), params=SimParams(admission=False, control_plane=slow)).run()
+    for r in (off, r_fast, r_slow):
+        assert sum(1 for f in r.finish if f >= 0) == len(reqs)  # every request served
+    assert r_fast.control_plane["router"]["utilisation"] < 1.0
+    assert r_slow.control_plane["router"]["max_wait_ms"] > 0.4 * (reqs[-1].arrival_ms - reqs[0].arrival_ms)
+    assert _ttft_p50(r_slow) > _ttft_p50(r_fast) + 1000.0
+    # three routers carry what one cannot
+    two = _costs(router_ms=slow.router_ms, routers=3)  # type: ignore[arg-type]
+    r_two = Simulator(cfg, reqs, _cost(cfg), params=SimParams(admission=False, control_plane=two)).run()
+    assert r_two.control_plane["router"]["max_wait_ms"] < r_slow.control_plane["router"]["max_wait_ms"] / 10
+
+
+def test_migration_pays_etcd_and_the_kv_transfer() -> None:
+    cfg = _cfg()
+    reqs = _reqs(800, 60.0)
+    death = [Fault(reqs[len(reqs) // 2].arrival_ms, "r0-n1", "death")]
+    off = Simulator(cfg, reqs, _cost(cfg), params=SimParams(), faults=death).run()
+    cp = _costs(etcd_txn_ms=500.0, etcd_concurrency=1, node_link_gbps=0.01)
+    res = Simulator(cfg, reqs, _cost(cfg), params=SimParams(control_plane=cp), faults=death).run()
+    assert res.migrations > 0
+    et = res.control_plane["etcd"]
+    assert et["jobs"] == res.migrations
+    assert et["busy_ms"] == pytest.approx(500.0 * res.migrations)
+    # one etcd server at 500 ms a move, then KV at 10 MB/s: the moved sequences finish much later than without
+    moved = [i for i in range(len(reqs)) if off.node_of[i] != res.node_of[i] and res.finish[i] >= 0]
+    assert moved
+    assert max(res.finish[i] for i in moved) > max(off.finish) + 400.0
+
+
+def test_token_flushes_are_charged_while_decoding() -> None:
+    cfg = _cfg()
+    reqs = _reqs(300, 10.0)
+    cp = _costs(xadd_ms=1.0, read_ms=0.0, valkey_shards=1000)  # type: ignore[arg-type]  # nobody waits on it
+    res = Simulator(cfg, reqs, _cost(cfg), params=SimParams(control_plane=cp)).run()
+    done = [i for i in range(len(reqs)) if res.finish[i] >= 0 and res.first_token[i] >= 0]
+    # one XADD per decoding sequence per 50 ms flush interval (+ first token, rack request, batch)
+    expected = sum((res.finish[i] - res.first_token[i]) / cp.token_flush_ms for i in done)
+    fixed = 2.0 * len(done) + len(res.batch_sizes)
+    busy = res.control_plane["valkey_spread_shards"]["busy_ms"]
+    assert 0.9 * expected < busy - fixed < 1.1 * expected
