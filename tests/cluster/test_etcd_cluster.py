@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from streams import keys
-from tests.cluster.etcd_cluster import EtcdCluster
 from tests.integration import harness
+from workers.local.etcd_cluster import EtcdCluster
 from workers.local.launcher import ClusterProcesses
 from workers.stores.etcd import (
     EtcdUnavailable,

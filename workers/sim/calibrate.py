@@ -82,10 +82,10 @@ def _git_head() -> str:
 def calibrate(entries: int = 5000, route_iterations: int = 5000, pipeline_requests: int = 6000,
               etcd_levels: tuple[int, ...] = (1, 8, 32), etcd_duration_s: float = 4.0,
               progress: bool = False) -> dict[str, Any]:
-    from tests.cluster.etcd_cluster import EtcdCluster  # the 3-member cluster the etcd failover tests start
     from workers.bench.etcd_txn import bench_etcd_txn
     from workers.bench.micro import _bench_streams, bench_route
     from workers.bench.pipeline import bench_pipeline
+    from workers.local.etcd_cluster import EtcdCluster  # the 3-member cluster the etcd failover tests start
     from workers.local.services import EmbeddedServices
 
     t0 = time.perf_counter()

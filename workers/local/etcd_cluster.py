@@ -1,5 +1,6 @@
-"""A real 3-member etcd cluster on loopback for the tests of etcd failover (members killed, stopped, restarted).
-Test-only: a local run uses one member (workers/local/etcd.py); production runs its own etcd."""
+"""A real 3-member etcd cluster on loopback: for the tests of etcd failover (members killed, stopped, restarted) and
+for `rackflow sim calibrate-control-plane` (etcd transaction latency under contention). A local run uses one member
+(workers/local/etcd.py); production runs its own etcd."""
 
 from __future__ import annotations
 
