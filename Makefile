@@ -66,8 +66,12 @@ $(DSTAMP):
 	$(DVENV)/bin/python -c 'import vidur.main; print("vidur imports")'
 	touch $(DSTAMP)
 
-.PHONY: .venv-vidur
+.PHONY: .venv-vidur test-vidur
 .venv-vidur: $(DSTAMP)
+
+# Vidur and rackflow sim on 100 requests (tests/unit/test_vidur_peer.py; skipped elsewhere without .venv-vidur)
+test-vidur: $(STAMP) $(DSTAMP)
+	$(PY) -m pytest -q -m vidur tests/unit/test_vidur_peer.py
 
 $(TINY)/rackflow-tiny.json: $(VSTAMP) workers/engines/checkpoint.py
 	$(VPY) -m workers.engines.checkpoint $(TINY)
@@ -83,7 +87,7 @@ run: $(STAMP)
 # the suite without the `long` tests (a minute of sustained overload, a 10 s Valkey outage): those run in
 # test-hardening and test-all
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not long and not parity and not vllm" tests
+	$(PY) -m pytest -q -m "not long and not parity and not vllm and not vidur" tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -275,6 +275,7 @@ def summary(e2e_ms: Sequence[float], ttft_ms: Sequence[float]) -> dict[str, floa
 
 def run_vidur(python: Path, setup: PeerSetup, reqs: Sequence[TraceRequest], config: RackflowConfig, work: Path,
               progress: bool = True, timeout_s: float = 1800.0) -> dict[str, Any]:
+    work = work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace.csv"
     trace.write_text(vidur_trace_csv(reqs))
