@@ -57,7 +57,7 @@ def test_metrics_without_the_latency_columns_are_refused(tmp_path: Path) -> None
     path.write_text("Request Id,request_num_tokens\n0,10\n")
     with pytest.raises(RuntimeError, match="request_e2e_time"):
         vp.parse_request_metrics(path)
-    with pytest.raises(RuntimeError, match="no request_metrics.csv"):
+    with pytest.raises(RuntimeError, match=r"no request_metrics\.csv"):
         vp.find_request_metrics(tmp_path / "nothing")
 
 

@@ -28,9 +28,9 @@ from typing import Any
 
 from pipeline.config import RackflowConfig
 from pipeline.sim.report import latencies
-from pipeline.stats import percentile
 from pipeline.sim.simulator import SimParams, SimResult
 from pipeline.sim.traces import TraceRequest, parse_azure
+from pipeline.stats import percentile
 from workers.sim.harness import AZURE_CONV, REPO, run_once, sim_config
 
 VIDUR_VERSION = "0.0.26"
@@ -199,14 +199,14 @@ def attention_rows(config: RackflowConfig, setup: PeerSetup) -> list[dict[str, A
     kvs = [0, 16, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 3584, 4096]
     for chunk in (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096):
         for kv in kvs:
-            parts = cm._parts([chunk], 0, 0, [kv])  # noqa: SLF001 - the attention term alone
+            parts = cm._parts([chunk], 0, 0, [kv])
             assert parts is not None
             rows.append({**common, "batch_size": 1, "prefill_chunk_size": chunk, "kv_cache_size": kv,
                          "time_stats.attn_prefill.median": parts[1] / layers,
                          "time_stats.attn_decode.median": float("nan")})
     for batch in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128):
         for kv in kvs[1:]:
-            parts = cm._parts([], batch, batch * kv, None)  # noqa: SLF001
+            parts = cm._parts([], batch, batch * kv, None)
             assert parts is not None
             rows.append({**common, "batch_size": batch, "prefill_chunk_size": 0, "kv_cache_size": kv,
                          "time_stats.attn_prefill.median": float("nan"),
@@ -286,7 +286,8 @@ def run_vidur(python: Path, setup: PeerSetup, reqs: Sequence[TraceRequest], conf
         shutil.rmtree(out)
     out.mkdir()
     args = [str(python), "-m", "vidur.main", *vidur_args(setup, trace, cache, out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "WANDB_MODE": "disabled"}
     if progress:
         print(f"vidur: {len(reqs)} requests; {' '.join(args[:3])} ... (log: {work / 'vidur.log'})", file=sys.stderr)
     t = time.perf_counter()
