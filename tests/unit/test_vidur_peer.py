@@ -133,5 +133,8 @@ def test_vidur_runs_beside_rackflow_on_100_requests(tmp_path: Path, monkeypatch:
     # same requests, same hardware: the two simulators agree within a factor of two on the medians
     assert 0.5 < t["vidur"]["e2e_p50_s"] / t["rackflow"]["e2e_p50_s"] < 2.0
     assert 0.5 < t["vidur"]["throughput_rps"] / t["rackflow"]["throughput_rps"] < 2.0
+    # without its 2 ms of CPU time per iteration rackflow's requests finish sooner
+    assert t["rackflow-0cpu"]["e2e_p50_s"] < t["rackflow"]["e2e_p50_s"]
+    assert t["rackflow-0cpu"]["completed"] == 100
     assert Path(r["plot"]).exists()
     assert "--cache_config_num_blocks" in r["settings"]["vidur_args"]
