@@ -50,6 +50,29 @@ $(VSTAMP): pyproject.toml deploy/vllm/requirements.py
 	$(VPY) -c 'import vllm, workers.engines.vllm_engine; print("vllm", vllm.__version__)'
 	touch $(VSTAMP)
 
+# Vidur (Microsoft's LLM inference simulator, vidur==0.0.26) in its own environment: a peer to `rackflow sim` for
+# `rackflow sim experiment vidur` (workers/sim/vidur_peer.py). It is not a rackflow dependency; nothing else needs it.
+# torch first, pinned, as for .venv: the CPU wheel is on this machine kind's disk.
+DVENV  := .venv-vidur
+DPIP   := $(DVENV)/bin/pip
+DSTAMP := $(DVENV)/.installed
+
+$(DSTAMP):
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "vidur needs Python >= 3.10, found " + sys.version'
+	test -x $(DVENV)/bin/python || $(PYTHON) -m venv $(DVENV)
+	$(DPIP) install --quiet --upgrade pip
+	$(DPIP) install --quiet torch==2.13.0
+	$(DPIP) install --quiet vidur==0.0.26
+	$(DVENV)/bin/python -c 'import vidur.main; print("vidur imports")'
+	touch $(DSTAMP)
+
+.PHONY: .venv-vidur test-vidur
+.venv-vidur: $(DSTAMP)
+
+# Vidur and rackflow sim on 100 requests (tests/unit/test_vidur_peer.py; skipped elsewhere without .venv-vidur)
+test-vidur: $(STAMP) $(DSTAMP)
+	$(PY) -m pytest -q -m vidur tests/unit/test_vidur_peer.py
+
 $(TINY)/rackflow-tiny.json: $(VSTAMP) workers/engines/checkpoint.py
 	$(VPY) -m workers.engines.checkpoint $(TINY)
 	touch $@
@@ -64,7 +87,7 @@ run: $(STAMP)
 # the suite without the `long` tests (a minute of sustained overload, a 10 s Valkey outage): those run in
 # test-hardening and test-all
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not long and not parity and not vllm" tests
+	$(PY) -m pytest -q -m "not long and not parity and not vllm and not vidur" tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -141,4 +164,4 @@ services-down: $(STAMP)
 
 clean:
 	-$(RF) services down 2>/dev/null
-	rm -rf $(VENV) $(VVENV) .venv-peers .cache .rackflow *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VVENV) $(DVENV) .venv-peers .cache .rackflow *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

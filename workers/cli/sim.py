@@ -129,7 +129,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate",
                                        "calibrate-control-plane"])
     s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto | "
-                                           "sizing; trace: multiturn")
+                                           "sizing | vidur; trace: multiturn")
     s.add_argument("--control-plane", nargs="?", const="", default=None, metavar="FILE",
                    help="model routers, batchers, Valkey shards, etcd and node links as stations with the measured "
                         "costs of FILE (default data/calibration/control-plane.json); off without this flag")

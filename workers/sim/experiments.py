@@ -14,6 +14,9 @@ the seed's claim printed next to what we measure (our numbers may differ; they a
   measured per-process costs (`data/calibration/control-plane.json`) at a 70% utilisation cap; the per-request
   Valkey demand measured by a simulation; each station driven past one process's capacity in the simulator to
   show where its queue explodes.
+- vidur: Microsoft's Vidur simulator (vidur==0.0.26, `make .venv-vidur`) and ours side by side on one H100 serving
+  Llama-2-7B, the first 2,000 Azure conversation requests, the same batch cap, chunk and KV blocks
+  (`workers/sim/vidur_peer.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pipeline.sim.simulator import Fault, SimParams, SimResult
 from pipeline.sim.traces import TraceRequest, assign_users, parse_azure, parse_mooncake, scale_rate, superpose
 from workers.sim.harness import AZURE_CONV, REPO, format_table, plot_compare, run_once, sim_config
 
-EXPERIMENTS = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing")
+EXPERIMENTS = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing", "vidur")
 
 
 def _cluster(racks: int, nodes_per_rack: int, gpu: str = "h100-80gb", tp: int = 8, model: str = "qwen2-72b"
@@ -437,6 +440,14 @@ def _plot_pareto(table: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def vidur(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    from workers.sim.vidur_peer import compare
+
+    result = compare(args.requests or 2000, out, progress=not args.no_progress)
+    result["claims"] = []
+    return result
+
+
 def run_experiment(args: argparse.Namespace) -> int:
     name = args.name
     if name not in EXPERIMENTS:
@@ -446,14 +457,15 @@ def run_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out or f"report/sim-{name}")
     out.mkdir(parents=True, exist_ok=True)
     fn = {"roundrobin-vs-weighted": roundrobin_vs_weighted, "window-batching": window_batching,
-          "scale-pareto": scale_pareto, "sizing": sizing}[name]
+          "scale-pareto": scale_pareto, "sizing": sizing, "vidur": vidur}[name]
     result = fn(args, out)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:
         print(result["text"] if "text" in result else format_table(result["table"]))
-        print("\nseed's claims next to ours:")
+        if result["claims"]:
+            print("\nseed's claims next to ours:")
         for c in result["claims"]:
             print(json.dumps(c, sort_keys=True))
         print(f"\nplot: {result['plot']}")
