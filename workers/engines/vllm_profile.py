@@ -169,17 +169,44 @@ def isolate_engines(root: int) -> dict[str, Any]:
                 continue
     pinned = set().union(*(a for e, a in threads.values() if e and a != every)) if threads else set()
     rest = every - pinned
-    moved = 0
+    moved: dict[int, list[int]] = {}
     if pinned and rest:
         for tid, (engine, a) in threads.items():
             want = pinned if engine else rest
             if a == every or (engine and not a <= pinned) or (not engine and a & pinned):
                 try:
                     os.sched_setaffinity(tid, want)
-                    moved += 1
+                    moved[tid] = sorted(a)
                 except OSError:
                     continue
-    return {"engine_cpus": sorted(pinned), "other_cpus": sorted(rest), "moved_threads": moved}
+    return {"engine_cpus": sorted(pinned), "other_cpus": sorted(rest), "moved_threads": len(moved),
+            "_before": moved, "_root": root, "_rest": sorted(rest)}
+
+
+def restore_affinity(split: dict[str, Any]) -> None:
+    """Undo `isolate_engines` for the threads it moved that still live (a caller that goes on running, e.g. a test
+    session, must not stay on one core; nor may what it starts later, which inherits the affinity)."""
+    before: dict[int, list[int]] = split.pop("_before", {})
+    for tid, cpus in before.items():
+        try:
+            os.sched_setaffinity(tid, set(cpus))
+        except OSError:
+            continue
+    # threads the root process started since, which inherited the narrowed affinity
+    rest, root = set(split.pop("_rest", [])), split.pop("_root", None)
+    if root is None or not rest:
+        return
+    try:
+        tasks = [int(t.name) for t in Path(f"/proc/{root}/task").iterdir()]
+    except OSError:
+        return
+    every = set(range(os.cpu_count() or 1))
+    for tid in tasks:
+        try:
+            if tid not in before and set(os.sched_getaffinity(tid)) == rest:
+                os.sched_setaffinity(tid, every)
+        except OSError:
+            continue
 
 
 # -- the measurement (vLLM's interpreter only) --------------------------------------------------------------------
@@ -280,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     llm, info = _engine(Path(args.config_dir), Path(args.config) if args.config else None)
     if args.isolate:
-        info["cpus"] = isolate_engines(os.getpid())
+        split = isolate_engines(os.getpid())
+        info["cpus"] = {k: v for k, v in split.items() if not k.startswith("_")}
     t0 = time.perf_counter()
     samples = measure(llm, info, progress=not args.no_progress)
     cost, quality = fit_linear(samples)

@@ -42,7 +42,7 @@ import yaml
 from pipeline.sim.simulator import SimParams, Simulator
 from pipeline.sim.traces import TraceRequest, parse_azure, scale_rate
 from pipeline.stats import percentile
-from workers.engines.vllm_profile import LinearStepCost, isolate_engines
+from workers.engines.vllm_profile import LinearStepCost, isolate_engines, restore_affinity
 from workers.sim.harness import AZURE_CONV, REPO
 
 TINY = REPO / ".cache" / "tiny-qwen2-vllm"
@@ -157,11 +157,13 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
     ep = svc.start()
     procs = ClusterProcesses(config, ep.redis_url, ep.etcd_url, work / "logs", ["--config", str(cfg_path)],
                              engine="vllm", log_level="WARNING")
+    split: dict[str, Any] = {}
     try:
         _log(f"starting {nodes} vLLM worker(s) and the pipeline roles (logs: {work / 'logs'})", progress)
         procs.start()
         asyncio.run(wait_cluster_ready(config, ep.redis_url, ep.etcd_url, 600))
-        cpus = isolate_engines(os.getpid())
+        split = isolate_engines(os.getpid())
+        cpus = {k: v for k, v in split.items() if not k.startswith("_")}
         _log(f"engine cores {cpus['engine_cpus']}, the rest on {cpus['other_cpus']}", progress)
         _log("profiling the engine's step times (vLLM's interpreter, beside the idle cluster)", progress)
         env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -184,6 +186,7 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
         report = asyncio.run(run.run())
         in_run = asyncio.run(_engine_steps(ep.redis_url, t_run))
     finally:
+        restore_affinity(split)
         procs.stop()
         svc.stop()
     # the engine's own step times in the run (its workers' status: mean iteration ms over the last 10 s, while
