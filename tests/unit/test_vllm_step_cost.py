@@ -27,6 +27,19 @@ def test_fit_recovers_the_coefficients_of_noisy_samples() -> None:
     assert quality["median_rel_error"] < 0.03
 
 
+def test_the_fixed_cost_of_an_iteration_that_prefills_is_fitted_apart_from_the_decode_base() -> None:
+    true = LinearStepCost(3.0, 0.02, 0.25, 0.0, prefill_base_ms=2.5)
+    samples = [StepSample(p, 0, 0, true.step_ms([p], 0, 0)) for p in (16, 256, 1024, 2048)]
+    samples += [StepSample(0, b, b * kv, true.step_ms([], b, b * kv)) for b in (1, 2, 4, 8) for kv in (32, 800)]
+    cost, quality = fit_linear(samples)
+    assert cost.base_ms == pytest.approx(3.0, rel=1e-6) and cost.per_decode_seq_ms == pytest.approx(0.25, rel=1e-6)
+    assert cost.prefill_base_ms == pytest.approx(2.5, rel=1e-6)
+    assert cost.per_prefill_token_ms == pytest.approx(0.02, rel=1e-6)
+    assert quality["median_rel_error"] < 1e-9
+    # a decode-only step never pays the prefill's fixed cost; a step that prefills pays it once
+    assert cost.step_ms([], 4, 0) == pytest.approx(4.0) and cost.step_ms([10, 10], 4, 0) == pytest.approx(6.9)
+
+
 def test_a_coefficient_the_data_makes_negative_is_dropped_and_the_rest_refitted() -> None:
     # decode gets cheaper with more sequences in these samples: no negative cost per sequence, the base absorbs it
     samples = [StepSample(0, b, 0, 5.0 - 0.01 * b) for b in (1, 2, 4, 8)] + [StepSample(p, 0, 0, 5.0 + 0.01 * p)
