@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 RF     := $(VENV)/bin/rackflow
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-all test-vllm test-parity test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
+.PHONY: run sim-compiled test test-all test-vllm test-parity test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
 
 FLOORS := deploy/security/advisory-floors.txt
 
@@ -81,12 +81,20 @@ $(TINY)/rackflow-tiny.json: $(VSTAMP) workers/engines/checkpoint.py
 test-vllm: $(VSTAMP) $(TINY)/rackflow-tiny.json
 	$(VPY) -m pytest -q -m vllm tests/vllm
 
+# the simulator's hot modules compiled with mypyc (workers/sim/compiled.py): `rackflow sim` uses them while they match
+# pipeline/, else the pure-Python ones (same results); without a C compiler the build says so and make goes on
+SIMC := .cache/sim-compiled/SOURCE
+$(SIMC): $(STAMP) $(shell find pipeline -name '*.py')
+	$(PY) -m workers.sim.compiled build --optional
+
+sim-compiled: $(SIMC)
+
 run: $(STAMP)
 	$(RF) demo
 
 # the suite without the `long` tests (a minute of sustained overload, a 10 s Valkey outage): those run in
 # test-hardening and test-all
-test: $(STAMP)
+test: $(STAMP) $(SIMC)
 	$(PY) -m pytest -q -m "not long and not parity and not vllm and not vidur" tests
 
 test-all: $(STAMP)

@@ -230,7 +230,6 @@ class WindowBatcher:
 
     def close(self, now_ms: float, nodes: Sequence[NodeView]) -> WindowOutcome:
         self._closes[0] += 1
-        horizon = self.policy.max_queued_prefill_tokens
         rejections: list[Rejection] = []
         fresh: list[PendingRequest] = []
         for p in self._fresh:
@@ -265,79 +264,13 @@ class WindowBatcher:
                     reserved = max(able, key=lambda n: budgets[n])
                     del budgets[reserved]
         opening_budget = dict(budgets)
-        slots = {n: _slots(views[n]) for n in budgets}
-        plans: dict[str, list[PendingRequest]] = {}
-        choices: dict[str, list[DispatchChoice]] = {}
-        opened: dict[tuple[str, str], list[str]] = {}
-        open_choice: dict[tuple[str, str, str], int] = {}
-        refused = False
-        max_budget = max(budgets.values(), default=0.0)
-        checks = [0]
-
-        def place(p: PendingRequest) -> bool:
-            """Try to put one request on a node; True when placed."""
-            nonlocal refused, max_budget
-            req = p.request
-            mem = req.mem_est_kb
-            if mem > max_budget:
-                return False
-            pname = self.policies.resolve(req.route_policy)
-            pol = self.policies.get(pname)
-            late = self._late(pname)
-            cands = [views[n] for n in sorted(budgets) if budgets[n] >= mem and self.serves(n, req.model)
-                     and (not late or not horizon or views[n].prefill_tokens < horizon)]
-            if not cands:
-                return False
-            waits = getattr(pol, "waits_for", None)
-            # a request may wait here for a node that cannot take it now (its prefix is cached there) while it stays
-            # free to go anywhere; the policy says for how long (asked for the first MAX_WAIT_CHECKS of a close)
-            if waits is not None and checks[0] < MAX_WAIT_CHECKS and len(cands) < len(
-                    everyone := [views[n] for n in sorted(budgets) if self.serves(n, req.model)]):
-                checks[0] += 1
-                if waits(everyone, cands, req, now_ms - p.enqueued_ms):
-                    return False
-            key = (req.model, pname)
-            node: str | None = None
-            if not pol.per_request:
-                node = next((n for n in opened.get(key, ()) if budgets[n] >= mem), None)
-                if node is not None:  # first fit into a node this policy already chose in this window
-                    i = open_choice[(req.model, pname, node)]
-                    c = choices[node][i]
-                    choices[node][i] = replace(c, request_ids=(*c.request_ids, req.request_id))
-            if node is None:
-                ch = pol.choose(cands, req if pol.per_request else None)
-                node = ch.node
-                if node is None:  # the policy found none of the nodes with room eligible (e.g. all W = 0)
-                    refused = True
-                    return False
-                choices.setdefault(node, []).append(
-                    DispatchChoice(pname, node, (req.request_id,), ch.draw, dict(ch.scores))
-                )
-                if not pol.per_request:
-                    opened.setdefault(key, []).append(node)
-                    open_choice[(req.model, pname, node)] = len(choices[node]) - 1
-            commit(p, node, pol)
-            return True
-
-        def commit(p: PendingRequest, node: str, pol: NodePolicy) -> None:
-            nonlocal max_budget
-            req = p.request
-            mem = req.mem_est_kb
-            plans.setdefault(node, []).append(p)
-            budgets[node] -= mem
-            slots[node] -= 1
-            if slots[node] <= 0:
-                budgets[node] = 0.0
-            max_budget = max(budgets.values(), default=0.0)
-            v = views[node]
-            views[node] = replace(v, kv_free_kb=max(0.0, v.kv_free_kb - mem), waiting=v.waiting + 1,
-                                  prefill_tokens=v.prefill_tokens + req.in_tokens)
-            pol.observe(node, req)
+        pack = _Packing(self, now_ms, budgets, views)
+        place = pack.place
 
         # aged requests first, oldest first (first fit); stop as soon as no budget holds the smallest of them
         kept: list[tuple[float, str, int, PendingRequest]] = []
         for k, entry in enumerate(self._aged):
-            if not self._aged_mems or max_budget < self._aged_mems[0]:
+            if not self._aged_mems or pack.max_budget < self._aged_mems[0]:
                 kept.extend(self._aged[k:])
                 break
             if place(entry[3]):
@@ -348,7 +281,7 @@ class WindowBatcher:
         # then fresh ones by ascending memory: once one does not fit anywhere, no larger one does
         left_fresh: list[PendingRequest] = []
         for k, p in enumerate(fresh):
-            if p.request.mem_est_kb > max_budget:
+            if p.request.mem_est_kb > pack.max_budget:
                 left_fresh.extend(fresh[k:])
                 break
             if not place(p):
@@ -357,19 +290,99 @@ class WindowBatcher:
         out = tuple(
             BatchPlan(
                 node, tuple(reqs), sum(q.request.mem_est_kb for q in reqs), opening_budget[node],
-                tuple(choices.get(node, ())),
+                tuple(pack.choices.get(node, ())),
             )
-            for node, reqs in plans.items()
+            for node, reqs in pack.plans.items()
         )
         waiting = self.pending_count
         if not waiting:
             stop = StopReason.ALL_PACKED
-        elif not opening_budget or refused:
+        elif not opening_budget or pack.refused:
             stop = StopReason.NO_NODE
         else:
             stop = StopReason.NO_BUDGET
         self.window_open_ms = now_ms if waiting else None
         return WindowOutcome(out, tuple(rejections), waiting, reserved, stop)
+
+
+class _Packing:
+    """One close's placement state and its two steps, `place` and `commit` (the closures of `close` they were: a
+    class makes no reference cycle per close, and the simulator runs with the cyclic collector off)."""
+
+    def __init__(self, batcher: WindowBatcher, now_ms: float, budgets: dict[str, float],
+                 views: dict[str, NodeView]) -> None:
+        self.b = batcher
+        self.now_ms = now_ms
+        self.horizon = batcher.policy.max_queued_prefill_tokens
+        self.budgets = budgets
+        self.views = views
+        self.slots = {n: _slots(views[n]) for n in budgets}
+        self.plans: dict[str, list[PendingRequest]] = {}
+        self.choices: dict[str, list[DispatchChoice]] = {}
+        self.opened: dict[tuple[str, str], list[str]] = {}
+        self.open_choice: dict[tuple[str, str, str], int] = {}
+        self.refused = False
+        self.max_budget = max(budgets.values(), default=0.0)
+        self.checks = 0
+
+    def place(self, p: PendingRequest) -> bool:
+        """Try to put one request on a node; True when placed."""
+        b, budgets, views, horizon = self.b, self.budgets, self.views, self.horizon
+        req = p.request
+        mem = req.mem_est_kb
+        if mem > self.max_budget:
+            return False
+        pname = b.policies.resolve(req.route_policy)
+        pol = b.policies.get(pname)
+        late = b._late(pname)
+        cands = [views[n] for n in sorted(budgets) if budgets[n] >= mem and b.serves(n, req.model)
+                 and (not late or not horizon or views[n].prefill_tokens < horizon)]
+        if not cands:
+            return False
+        waits = getattr(pol, "waits_for", None)
+        # a request may wait here for a node that cannot take it now (its prefix is cached there) while it stays
+        # free to go anywhere; the policy says for how long (asked for the first MAX_WAIT_CHECKS of a close)
+        if waits is not None and self.checks < MAX_WAIT_CHECKS and len(cands) < len(
+                everyone := [views[n] for n in sorted(budgets) if b.serves(n, req.model)]):
+            self.checks += 1
+            if waits(everyone, cands, req, self.now_ms - p.enqueued_ms):
+                return False
+        key = (req.model, pname)
+        node: str | None = None
+        choices = self.choices
+        if not pol.per_request:
+            node = next((n for n in self.opened.get(key, ()) if budgets[n] >= mem), None)
+            if node is not None:  # first fit into a node this policy already chose in this window
+                i = self.open_choice[(req.model, pname, node)]
+                c = choices[node][i]
+                choices[node][i] = replace(c, request_ids=(*c.request_ids, req.request_id))
+        if node is None:
+            ch = pol.choose(cands, req if pol.per_request else None)
+            node = ch.node
+            if node is None:  # the policy found none of the nodes with room eligible (e.g. all W = 0)
+                self.refused = True
+                return False
+            choices.setdefault(node, []).append(
+                DispatchChoice(pname, node, (req.request_id,), ch.draw, dict(ch.scores))
+            )
+            if not pol.per_request:
+                self.opened.setdefault(key, []).append(node)
+                self.open_choice[(req.model, pname, node)] = len(choices[node]) - 1
+        self.commit(p, node, pol)
+        return True
+
+    def commit(self, p: PendingRequest, node: str, pol: NodePolicy) -> None:
+        budgets, slots = self.budgets, self.slots
+        req = p.request
+        mem = req.mem_est_kb
+        self.plans.setdefault(node, []).append(p)
+        budgets[node] -= mem
+        slots[node] -= 1
+        if slots[node] <= 0:
+            budgets[node] = 0.0
+        self.max_budget = max(budgets.values(), default=0.0)
+        self.views[node] = self.views[node].with_placed(mem, req.in_tokens)
+        pol.observe(node, req)
 
 
 def _slots(n: NodeView) -> float:

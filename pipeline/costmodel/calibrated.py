@@ -95,7 +95,8 @@ class _Coefficients:
     """Precomputed per-model-on-GPU numbers of the hot path, all in ms (already multiplied by the layer count)."""
 
     __slots__ = (
-        "ar_calls", "ar_table", "attn_fixed", "dec_c_kv", "dec_m_kv", "dec_m_seq", "decode_base", "elem_a", "elem_b",
+        "ar_calls", "ar_table", "attn_fixed", "dec_c_kv", "dec_m_kv", "dec_m_seq", "decode_base", "dense", "elem_a",
+        "elem_b",
         "elem_fixed", "elem_knees", "layers", "lin", "lm_head", "msg_per_tok", "pre_c_pair", "pre_m_cached",
         "pre_m_tok",
     )
@@ -113,6 +114,9 @@ class _Coefficients:
 
         self.layers = L
         self.decode_base: dict[int, float] = {}
+        self.dense: dict[tuple[int, int], tuple[float, float, float]] = {}
+        """`_dense_ms` by (tokens, sequences): a placement prices full chunks and decode steps of the same sizes over
+        and over."""
         # linear ops: time(T) = max(c * rows(T), w + m * T) + c0, rows(T) = T rounded up to the GEMM tile
         self.lin = tuple(linear(op, arch.ops[op], L) for op in LINEAR_OPS)
         self.lm_head = linear("lm_head", arch.ops["mlp_up_proj"], 1.0)
@@ -133,9 +137,11 @@ class _Coefficients:
             fixed += times * f.fixed_ms
         pieces.sort()
         self.elem_knees = tuple(k for k, _, _ in pieces)
-        self.elem_a = tuple(sum((h - cd) * k for k, h, cd in pieces[:j]) for j in range(len(pieces) + 1))
+        # float starts (0 + x == 0.0 + x exactly): mypyc types an int start as int (workers.sim.compiled)
+        self.elem_a = tuple(sum(((h - cd) * k for k, h, cd in pieces[:j]), 0.0) for j in range(len(pieces) + 1))
         self.elem_b = tuple(
-            sum(cd for _, _, cd in pieces[:j]) + sum(h for _, h, _ in pieces[j:]) for j in range(len(pieces) + 1)
+            sum((cd for _, _, cd in pieces[:j]), 0.0) + sum((h for _, h, _ in pieces[j:]), 0.0)
+            for j in range(len(pieces) + 1)
         )
         self.elem_fixed = fixed
         # attention (FlashAttention-style roofline), per layer x L
@@ -211,7 +217,18 @@ class CalibratedCostModel:
 
     # -- pieces ------------------------------------------------------------------------------------------------
     def _dense_ms(self, tokens: int, seqs: int) -> tuple[float, float, float]:
-        """(linear incl. LM head, all-reduce, element-wise) of a forward over `tokens` tokens of `seqs` sequences."""
+        """(linear incl. LM head, all-reduce, element-wise) of a forward over `tokens` tokens of `seqs` sequences
+        (memoised)."""
+        memo = self._c.dense
+        got = memo.get((tokens, seqs))
+        if got is None:
+            got = self._dense_uncached(tokens, seqs)
+            if len(memo) >= 65536:
+                memo.clear()
+            memo[(tokens, seqs)] = got
+        return got
+
+    def _dense_uncached(self, tokens: int, seqs: int) -> tuple[float, float, float]:
         c = self._c
         rows = -(-tokens // GEMM_TILE_M) * GEMM_TILE_M  # gemm_rows(), inlined: integer ceil to the GEMM tile
         lin = 0.0
@@ -237,6 +254,16 @@ class CalibratedCostModel:
     ) -> tuple[float, float, float, float] | None:
         """(linear, attention, all-reduce, other) of one iteration; None when it is empty."""
         c = self._c
+        if len(prefill_tokens) == 1 and prefill_tokens[0] > 0:  # one chunk (a placement's pricing): the loop below
+            t = prefill_tokens[0]
+            cached = prefill_cached[0] if prefill_cached is not None else 0
+            lin, ar, other = self._dense_ms(decode_seqs + t, decode_seqs + 1)
+            attn = max(c.pre_c_pair * (t * (t + 1) * 0.5 + t * cached), c.pre_m_tok * t + c.pre_m_cached * cached)
+            attn += c.attn_fixed
+            if decode_seqs > 0:
+                s1, b1, s2, b2 = c.dec_m_kv, c.dec_m_seq * decode_seqs, c.dec_c_kv, 0.0
+                attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
+            return lin, attn, ar, other
         tokens = seqs = decode_seqs
         pairs = 0.0
         new = cached_total = 0

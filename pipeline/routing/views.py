@@ -57,3 +57,14 @@ class NodeView:
     @property
     def idle(self) -> bool:
         return self.running == 0 and self.waiting == 0
+
+    def with_placed(self, mem_kb: float, prompt_tokens: int) -> NodeView:
+        """The view after a batcher placed one more request on the node (it waits there: its memory reserved, its
+        prompt queued for prefill). `dataclasses.replace` with those three fields, without its per-call field
+        introspection (a close places every request through this)."""
+        return NodeView(
+            self.name, self.active, self.vram_total_gb, self.free_vram_gb, self.pcie_util_pct, self.avg_latency_ms,
+            self.kv_capacity_kb, max(0.0, self.kv_free_kb - mem_kb), self.running, self.waiting + 1,
+            self.prefill_tokens + prompt_tokens, self.decode_seqs, self.decode_tokens, self.kv_usage, self.slowdown,
+            self.max_seqs,
+        )

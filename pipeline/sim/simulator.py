@@ -34,7 +34,7 @@ from pipeline.health import HealthSample, HealthScorer
 from pipeline.profiling import estimate_mem_kb
 from pipeline.replay import policy_context
 from pipeline.routing.prefix_index import BlockIndex
-from pipeline.routing.rack_affinity import keeps_prefix_cache, rack_cached_tokens
+from pipeline.routing.rack_affinity import RackSummary, keeps_prefix_cache, rack_cached_tokens
 from pipeline.routing.registry import NodePolicySet, build_router
 from pipeline.routing.views import NodeView, RackView
 from pipeline.sim.control_plane import ControlPlaneCosts, Station
@@ -191,6 +191,9 @@ class Simulator:
             else:
                 batcher = WindowBatcher(pol.batcher, policies, caps, models)
             self.racks[rack.name] = _Rack(rack.name, idx, batcher, policies)
+        self._views: list[NodeView | None] = [None] * len(self.nodes)
+        """Per node: its view as the batcher last read it, until the node changes (`_touch`); a view depends only on
+        the node's state, so a close rebuilds only the views of the nodes that changed since the last one."""
         self.rack_views = {r: RackView(r, True, 0.0) for r in self.racks}
         self.node_rack = {spec.name: r.name for r in config.cluster.racks for spec in r.expanded()}
         self._views_at = -math.inf
@@ -208,6 +211,8 @@ class Simulator:
         self._gw_refresh_ms = float(config.gateway.saturation_refresh_ms)
         self._gw_queued: dict[str, int] = {}
         self._gw_views: dict[str, RackView] = {}
+        self._gw_summary: dict[str, RackSummary] = {}
+        """Per model, the gateway router's summary of `_gw_views` (they change only at the gateway's reads)."""
         self.shed = 0
         self.scorer = HealthScorer(pol.health)
         for name in self.node_index:  # the agents' first (clean) samples: later counters are compared to them
@@ -284,6 +289,7 @@ class Simulator:
     def _schedule_node(self, i: int, now: float) -> None:
         node = self.nodes[i]
         end = node.schedule(now)
+        self._views[i] = None
         if self.params.check_invariants:
             self._check(node)
         if end is not None:
@@ -291,13 +297,17 @@ class Simulator:
 
     # -- views -----------------------------------------------------------------------------------------------------
     def _node_view(self, i: int) -> NodeView:
+        v = self._views[i]
+        if v is not None:
+            return v
         n = self.nodes[i]
-        return NodeView(
+        v = self._views[i] = NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
             max(0.0, n.mem_cap_kb - n.mem_est_used), n.running, len(n.waiting),
             prefill_tokens=n.prefill_backlog, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=n.slowdown, max_seqs=n.max_num_seqs,
         )
+        return v
 
     def _rack_load(self, rack: _Rack, delta: int) -> None:
         rack.outstanding += delta
@@ -409,6 +419,7 @@ class Simulator:
             else:
                 since.setdefault(name, now)
         self._gw_queued, self._gw_views = queued, views
+        self._gw_summary = {}
         return queued, views
 
     def _admit(self, user: str, model: str, now: float) -> bool:
@@ -417,7 +428,10 @@ class Simulator:
         share of it per rack."""
         assert self.admission is not None
         queued, views = self._gateway_views(now)
-        target = self.gateway_router.route(user, model, views).rack
+        summary = self._gw_summary.get(model)
+        if summary is None:
+            summary = self._gw_summary[model] = self.gateway_router.summarize(model, views)
+        target = self.gateway_router.route(user, model, views, summary=summary).rack
         if target is None:
             return True  # the router answers it (no healthy rack)
         done = self._done_at
@@ -491,6 +505,7 @@ class Simulator:
         for s in seqs:
             self.node_of[s.rid] = i
             node.submit(s)
+        self._views[i] = None
         if node.phase is None:
             self._schedule_node(i, now)
         elif node.advance_to(now):
@@ -511,6 +526,7 @@ class Simulator:
             per_seq = min(float(steps), (now - t0) / cp.token_flush_ms)
             self._st_spread.charge(now, len(node.decoding) * per_seq * cp.xadd_ms)
         res = node.finish_phase(now)
+        self._views[i] = None
         if self.params.check_invariants:
             self._check(node)
         for rid, t in res.first_tokens:
@@ -581,40 +597,45 @@ class Simulator:
         if i is None:
             raise ValueError(f"fault for unknown node {f.node!r}")
         node = self.nodes[i]
-        if f.kind == "death":
-            self.scorer.observe(HealthSample(f.node, now, heartbeat_ok=False))
-            seqs = node.drain_all(now)
-            self._rack_load(self.racks[node.rack], 0)
-            self._migrate(i, seqs, now)
-        elif f.kind == "xid":
-            last = self.scorer.nodes.get(f.node)
-            xid = (last.last.xid_errors if last and last.last else 0) + 1
-            verdict = self.scorer.observe(HealthSample(f.node, now, xid_errors=xid))
-            if verdict.draining and node.alive:
+        try:
+            if f.kind == "death":
+                self.scorer.observe(HealthSample(f.node, now, heartbeat_ok=False))
                 seqs = node.drain_all(now)
+                self._views[i] = None
                 self._rack_load(self.racks[node.rack], 0)
                 self._migrate(i, seqs, now)
-            # after the burst the agent reports clean samples; the node returns once hysteresis allows
-            interval = self.config.policies.health.interval_ms
-            back = now + f.duration_ms + interval * self.config.policies.health.recover_samples
-            self._push(back, FAULT, Fault(back, f.node, "recover"))
-        elif f.kind == "recover":
-            st = self.scorer.nodes.get(f.node)
-            xid = st.last.xid_errors if st and st.last else 0
-            interval = self.config.policies.health.interval_ms
-            verdict = None
-            for k in range(self.config.policies.health.recover_samples):
-                verdict = self.scorer.observe(HealthSample(f.node, now - interval * k, xid_errors=xid))
-            if verdict is not None and not verdict.draining:
-                node.alive = node.accepting = True
-                self._rack_load(self.racks[node.rack], 0)
-        elif f.kind == "slow":
-            node.slow_factor = max(1.0, f.factor)
-            self._push(now + f.duration_ms, FAULT, Fault(now + f.duration_ms, f.node, "slow-end"))
-        elif f.kind == "slow-end":
-            node.slow_factor = 1.0
-        else:
-            raise ValueError(f"unknown fault kind {f.kind!r}; allowed: death, xid, slow")
+            elif f.kind == "xid":
+                last = self.scorer.nodes.get(f.node)
+                xid = (last.last.xid_errors if last and last.last else 0) + 1
+                verdict = self.scorer.observe(HealthSample(f.node, now, xid_errors=xid))
+                if verdict.draining and node.alive:
+                    seqs = node.drain_all(now)
+                    self._views[i] = None
+                    self._rack_load(self.racks[node.rack], 0)
+                    self._migrate(i, seqs, now)
+                # after the burst the agent reports clean samples; the node returns once hysteresis allows
+                interval = self.config.policies.health.interval_ms
+                back = now + f.duration_ms + interval * self.config.policies.health.recover_samples
+                self._push(back, FAULT, Fault(back, f.node, "recover"))
+            elif f.kind == "recover":
+                st = self.scorer.nodes.get(f.node)
+                xid = st.last.xid_errors if st and st.last else 0
+                interval = self.config.policies.health.interval_ms
+                verdict = None
+                for k in range(self.config.policies.health.recover_samples):
+                    verdict = self.scorer.observe(HealthSample(f.node, now - interval * k, xid_errors=xid))
+                if verdict is not None and not verdict.draining:
+                    node.alive = node.accepting = True
+                    self._rack_load(self.racks[node.rack], 0)
+            elif f.kind == "slow":
+                node.slow_factor = max(1.0, f.factor)
+                self._push(now + f.duration_ms, FAULT, Fault(now + f.duration_ms, f.node, "slow-end"))
+            elif f.kind == "slow-end":
+                node.slow_factor = 1.0
+            else:
+                raise ValueError(f"unknown fault kind {f.kind!r}; allowed: death, xid, slow")
+        finally:
+            self._views[i] = None  # every kind changes the node's state or its health
 
     # -- main loop -------------------------------------------------------------------------------------------------
     def run(self) -> SimResult:

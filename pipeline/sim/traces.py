@@ -256,8 +256,8 @@ def superpose(reqs: Sequence[TraceRequest], copies: int, rng: random.Random) -> 
     out: list[TraceRequest] = []
     for k in range(copies):
         shift = rng.uniform(0, gap) if k else 0.0
-        for r in reqs:
+        for r in reqs:  # the constructor, not dataclasses.replace: 2 M copies at 50 M requests a day
             user = f"{r.user_id}#{k}" if r.user_id and k else r.user_id
-            out.append(replace(r, arrival_ms=r.arrival_ms + shift, user_id=user))
+            out.append(TraceRequest(r.arrival_ms + shift, r.in_tokens, r.out_tokens, user, r.prefix_hashes, r.model))
     out.sort(key=lambda r: r.arrival_ms)
     return out

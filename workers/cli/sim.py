@@ -20,6 +20,7 @@ from workers.sim.harness import (
     parse_faults,
     plot_compare,
     prepare_requests,
+    result_digest,
     run_once,
     sim_config,
 )
@@ -49,6 +50,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         out, res = run_once(cfg, reqs, params, parse_faults(args.faults), args.model, not args.no_progress)
         out["policy"] = cfg.policies.node_selection.policy
         out["trace"] = args.trace or "synthetic"
+        if args.digest:
+            out["digest"] = result_digest(res)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             plot_compare({out["policy"]: res}, Path(args.out) / "sim.png", "simulation")
@@ -186,6 +189,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--out", default=None, help="directory for JSON and PNG output")
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--digest", action="store_true",
+                   help="run: add `digest`, a sha256 of every request's timings and placement (equal digests: the "
+                        "same decisions)")
     s.set_defaults(fn=cmd_sim)
 
 

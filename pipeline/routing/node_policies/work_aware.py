@@ -65,6 +65,10 @@ class WorkAware:
         self.blocks = blocks
         self.approx = approx if blocks is None else None
         self.chunk = max_batched_tokens
+        self._memo_req: RequestEvent | None = None
+        self._memo: dict[str, tuple[NodeView, int, float]] = {}
+        """The last request's costs per node, with the view and the cached blocks they were priced on: a close asks
+        `waits_for` and then `choose` about the same request and the same views."""
 
     def cached_blocks(self, nodes: Sequence[NodeView], req: RequestEvent) -> Mapping[str, int]:
         if not req.prefix_hashes or not req.prefix_cache:
@@ -114,14 +118,34 @@ class WorkAware:
                 total += p.kv_weight_ms * (after - p.kv_soft_limit) / max(1e-9, 1.0 - p.kv_soft_limit)
         return total
 
+    def costs(self, nodes: Sequence[NodeView], req: RequestEvent) -> dict[str, float]:
+        """`node_cost` of the request on each node, by name (a node priced on the same view and the same cached
+        blocks for the same request is not priced again)."""
+        cached = self.cached_blocks(nodes, req)
+        if self._memo_req is not req:
+            self._memo_req = req
+            self._memo = {}
+        memo = self._memo
+        out: dict[str, float] = {}
+        for v in nodes:
+            name = v.name
+            blocks = cached.get(name, 0)
+            hit = memo.get(name)
+            if hit is not None and hit[0] is v and hit[1] == blocks:
+                out[name] = hit[2]
+                continue
+            c = self.node_cost(v, req, blocks)
+            memo[name] = (v, blocks, c)
+            out[name] = c
+        return out
+
     def choose(self, nodes: Sequence[NodeView], req: RequestEvent | None) -> NodeChoice:
         if not nodes:
             return NodeChoice(None)
         if req is None:  # placed per request; without one, the least work queued
             best = min(nodes, key=lambda v: (v.prefill_tokens, outstanding(v), v.name))
             return NodeChoice(best.name)
-        cached = self.cached_blocks(nodes, req)
-        costs = {v.name: self.node_cost(v, req, cached.get(v.name, 0)) for v in nodes}
+        costs = self.costs(nodes, req)
         if self.p.temperature_ms > 0 and len(nodes) > 1:
             low = min(costs.values())
             w = {n: math.exp(-(c - low) / self.p.temperature_ms) for n, c in costs.items()}
@@ -144,8 +168,7 @@ class WorkAware:
         prefill queue (waiting then would leave that node idle)."""
         if waited_ms >= self.p.max_wait_ms or any(v.prefill_tokens == 0 for v in with_room):
             return False  # waited long enough, or a node would idle: work-conserving
-        cached = self.cached_blocks(everyone, req)
-        costs = {v.name: self.node_cost(v, req, cached.get(v.name, 0)) for v in everyone}
+        costs = self.costs(everyone, req)
         best = min(everyone, key=lambda v: (costs[v.name], v.name)).name
         room = {v.name for v in with_room}
         if best in room or not room:
