@@ -3,8 +3,13 @@ given with --redis-url / --etcd-url; their DB is flushed between tests, so point
 
 from __future__ import annotations
 
-import asyncio
 import os
+
+# as workers/cli/boot.py does for every rackflow process, and for the same reason: this process holds etcd channels
+# while it starts role processes, and gRPC's fork handlers lose some children before their exec (grpc/grpc#43055)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -8,7 +8,16 @@ It imports nothing of `pipeline` (nor does `workers.sim.compiled`): it must run 
 
 from __future__ import annotations
 
+import os
 import sys
+
+# gRPC's fork handlers (grpcio >= 1.81, grpc/grpc#43055, open): a process that holds etcd channels and starts a
+# subprocess sometimes loses the child before its exec (the handler restarts gRPC's poller in the child, whose epoll
+# fd close_fds then closes: "epoll_wait error: Bad file descriptor", SIGABRT). Measured here: 6 of 300 children lost
+# with the handlers on, 0 of 300 with them off. Every rackflow process starts children this way (the launcher, the
+# supervisor of the embedded services), and none uses a gRPC channel across a fork (Celery's pool processes open their
+# own, after it), so the handlers are off unless the environment says otherwise. Set before anything imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from workers.sim.compiled import activate
 
