@@ -261,7 +261,7 @@ class CalibratedCostModel:
             attn = max(c.pre_c_pair * (t * (t + 1) * 0.5 + t * cached), c.pre_m_tok * t + c.pre_m_cached * cached)
             attn += c.attn_fixed
             if decode_seqs > 0:
-                s1, b1, s2, b2 = c.dec_m_kv, c.dec_m_seq * decode_seqs, c.dec_c_kv, 0.0
+                s1, b1, s2, b2 = self._decode_lines(decode_seqs)
                 attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
             return lin, attn, ar, other
         tokens = seqs = decode_seqs

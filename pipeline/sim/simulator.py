@@ -192,8 +192,10 @@ class Simulator:
                 batcher = WindowBatcher(pol.batcher, policies, caps, models)
             self.racks[rack.name] = _Rack(rack.name, idx, batcher, policies)
         self._views: list[NodeView | None] = [None] * len(self.nodes)
-        """Per node: its view as the batcher last read it, until the node changes (`_touch`); a view depends only on
-        the node's state, so a close rebuilds only the views of the nodes that changed since the last one."""
+        """Per node: its view as the batcher last read it, dropped wherever the node changes (an iteration scheduled or
+        finished, a batch submitted, a drain, a recovery); a view depends only on the node's state, so a close
+        rebuilds only the views of the nodes that changed since the last one. With `check_invariants` every cached
+        view is compared with a fresh one."""
         self.rack_views = {r: RackView(r, True, 0.0) for r in self.racks}
         self.node_rack = {spec.name: r.name for r in config.cluster.racks for spec in r.expanded()}
         self._views_at = -math.inf
@@ -299,6 +301,11 @@ class Simulator:
     def _node_view(self, i: int) -> NodeView:
         v = self._views[i]
         if v is not None:
+            if self.params.check_invariants:
+                self._views[i] = None
+                fresh = self._node_view(i)
+                if fresh != v:
+                    raise AssertionError(f"{v.name}: stale cached view {v} != {fresh}")
             return v
         n = self.nodes[i]
         v = self._views[i] = NodeView(
@@ -597,45 +604,43 @@ class Simulator:
         if i is None:
             raise ValueError(f"fault for unknown node {f.node!r}")
         node = self.nodes[i]
-        try:
-            if f.kind == "death":
-                self.scorer.observe(HealthSample(f.node, now, heartbeat_ok=False))
+        if f.kind == "death":
+            self.scorer.observe(HealthSample(f.node, now, heartbeat_ok=False))
+            seqs = node.drain_all(now)
+            self._views[i] = None
+            self._rack_load(self.racks[node.rack], 0)
+            self._migrate(i, seqs, now)
+        elif f.kind == "xid":
+            last = self.scorer.nodes.get(f.node)
+            xid = (last.last.xid_errors if last and last.last else 0) + 1
+            verdict = self.scorer.observe(HealthSample(f.node, now, xid_errors=xid))
+            if verdict.draining and node.alive:
                 seqs = node.drain_all(now)
                 self._views[i] = None
                 self._rack_load(self.racks[node.rack], 0)
                 self._migrate(i, seqs, now)
-            elif f.kind == "xid":
-                last = self.scorer.nodes.get(f.node)
-                xid = (last.last.xid_errors if last and last.last else 0) + 1
-                verdict = self.scorer.observe(HealthSample(f.node, now, xid_errors=xid))
-                if verdict.draining and node.alive:
-                    seqs = node.drain_all(now)
-                    self._views[i] = None
-                    self._rack_load(self.racks[node.rack], 0)
-                    self._migrate(i, seqs, now)
-                # after the burst the agent reports clean samples; the node returns once hysteresis allows
-                interval = self.config.policies.health.interval_ms
-                back = now + f.duration_ms + interval * self.config.policies.health.recover_samples
-                self._push(back, FAULT, Fault(back, f.node, "recover"))
-            elif f.kind == "recover":
-                st = self.scorer.nodes.get(f.node)
-                xid = st.last.xid_errors if st and st.last else 0
-                interval = self.config.policies.health.interval_ms
-                verdict = None
-                for k in range(self.config.policies.health.recover_samples):
-                    verdict = self.scorer.observe(HealthSample(f.node, now - interval * k, xid_errors=xid))
-                if verdict is not None and not verdict.draining:
-                    node.alive = node.accepting = True
-                    self._rack_load(self.racks[node.rack], 0)
-            elif f.kind == "slow":
-                node.slow_factor = max(1.0, f.factor)
-                self._push(now + f.duration_ms, FAULT, Fault(now + f.duration_ms, f.node, "slow-end"))
-            elif f.kind == "slow-end":
-                node.slow_factor = 1.0
-            else:
-                raise ValueError(f"unknown fault kind {f.kind!r}; allowed: death, xid, slow")
-        finally:
-            self._views[i] = None  # every kind changes the node's state or its health
+            # after the burst the agent reports clean samples; the node returns once hysteresis allows
+            interval = self.config.policies.health.interval_ms
+            back = now + f.duration_ms + interval * self.config.policies.health.recover_samples
+            self._push(back, FAULT, Fault(back, f.node, "recover"))
+        elif f.kind == "recover":
+            st = self.scorer.nodes.get(f.node)
+            xid = st.last.xid_errors if st and st.last else 0
+            interval = self.config.policies.health.interval_ms
+            verdict = None
+            for k in range(self.config.policies.health.recover_samples):
+                verdict = self.scorer.observe(HealthSample(f.node, now - interval * k, xid_errors=xid))
+            if verdict is not None and not verdict.draining:
+                node.alive = node.accepting = True
+                self._views[i] = None
+                self._rack_load(self.racks[node.rack], 0)
+        elif f.kind == "slow":
+            node.slow_factor = max(1.0, f.factor)
+            self._push(now + f.duration_ms, FAULT, Fault(now + f.duration_ms, f.node, "slow-end"))
+        elif f.kind == "slow-end":
+            node.slow_factor = 1.0
+        else:
+            raise ValueError(f"unknown fault kind {f.kind!r}; allowed: death, xid, slow")
 
     # -- main loop -------------------------------------------------------------------------------------------------
     def run(self) -> SimResult:

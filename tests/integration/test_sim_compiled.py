@@ -54,8 +54,19 @@ def test_a_build_that_does_not_match_the_source_is_not_used(tmp_path: Path) -> N
     ok, why = compiled_status(root, fake)
     assert not ok and "older than pipeline/" in why
     saved = list(sys.path)
-    assert not activate(root, fake)  # stale, and pipeline is imported in this process anyway
+    assert not activate(root, fake)  # in this process pipeline is imported already: never swapped under it
     assert sys.path == saved
+    # in a fresh process (as `rackflow sim` starts), the stale build is refused and the current one taken
+    code = ("import sys; from pathlib import Path; from workers.sim.compiled import activate; "
+            "r = activate(Path(sys.argv[1]), Path(sys.argv[2])); print(r, sys.path[0] == sys.argv[2])")
+    env = {k: v for k, v in os.environ.items() if k != "RACKFLOW_SIM_COMPILED"}
+    stale = subprocess.run([sys.executable, "-c", code, str(root), str(fake)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert stale.stdout.split() == ["False", "False"] and "older than pipeline/" in stale.stderr
+    (fake / "SOURCE").write_text(source_digest(root) + "\nmods\n")
+    fresh = subprocess.run([sys.executable, "-c", code, str(root), str(fake)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert fresh.stdout.split() == ["True", "True"], fresh.stderr
 
 
 def test_only_sim_commands_use_it() -> None:

@@ -65,3 +65,20 @@ def test_a_route_given_the_summary_of_its_views_decides_as_one_that_computes_it(
                 cached = {rng.choice(racks): float(rng.randint(0, 4000))} if k % 2 else None
                 assert router.route(user, "m", views, cached, summary=summary) == router.route(user, "m", views, cached)
     assert router.summarize("m", {}).healthy == ()
+
+
+def test_cached_node_views_are_never_stale_through_faults_and_recoveries() -> None:
+    # check_invariants compares every cached view with one built afresh from the node (AssertionError if stale)
+    from pipeline.sim.simulator import Fault, SimParams, Simulator
+    from tests.unit.test_control_plane_costs import _cfg, _cost, _reqs
+
+    cfg = _cfg()
+    reqs = _reqs(1200, 25.0)
+    # each fault lands just after an arrival, whose close has just read (and cached) every view of its rack
+    at = [reqs[k].arrival_ms + 1e-6 for k in (200, 300, 400, 500, 700)]
+    faults = [Fault(at[0], "r0-n1", "xid", 3_000.0), Fault(at[1], "r1-n2", "xid", 3_000.0),
+              Fault(at[2], "r0-n2", "death"), Fault(at[3], "r1-n0", "slow", 8_000.0, 2.0),
+              Fault(at[4], "r1-n3", "death")]
+    res = Simulator(cfg, reqs, _cost(cfg), params=SimParams(check_invariants=True), faults=faults).run()
+    assert res.migrations > 0
+    assert sum(1 for f in res.finish if f >= 0) + sum(res.dropped) == 1200

@@ -23,7 +23,8 @@ from workers.sim.compiled import activate
 
 
 def _is_sim_command(argv: list[str]) -> bool:
-    """The first word that is not a flag, nor the value of a global flag, is the command."""
+    """The first word that is not a flag, nor the value of a global flag, is the command. The flags that take a
+    value are those of workers.cli.common.add_global_flags (not imported here: it imports `pipeline`)."""
     takes_value = {"--config-dir", "--config", "--redis-url", "--etcd-url", "--log-level"}
     skip = False
     for a in argv:

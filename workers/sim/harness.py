@@ -128,7 +128,7 @@ def run_once(config: RackflowConfig, reqs: list[TraceRequest], params: SimParams
 
 @contextlib.contextmanager
 def quiet_gc() -> Iterator[None]:
-    """The cyclic garbage collector off for a run, and one collection after it. Its scans took 17-24% of the 10 k GPU
+    """The cyclic garbage collector off for a run (on again after it). Its scans took 17-24% of the 10 k GPU
     hour (py-spy; gc.callbacks: 93 s of 380 s), and a run makes no reference cycles per request
     (tests/integration/test_sim_compiled.py counts what is left for the collector, compiled and pure), so
     reference counting frees everything as it goes. Results are unchanged: no decision depends on when memory is
@@ -140,7 +140,6 @@ def quiet_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-        gc.collect()
 
 
 def is_compiled() -> bool:
