@@ -46,11 +46,10 @@ def services(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 async def _clean(ep: ServiceEndpoints) -> None:
-    import redis.asyncio as aioredis
-
+    from streams.runner import connect
     from workers.stores.etcd import NodeRegistry
 
-    r = aioredis.Redis.from_url(ep.redis_url)
+    r = connect(ep.redis_url)  # retried: the previous test's processes may still be busy exiting
     await r.flushdb()
     await r.aclose()
     reg = NodeRegistry(ep.etcd_url)

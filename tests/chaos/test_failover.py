@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 from pipeline.config import RackflowConfig
 from pipeline.events import ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
+from streams.runner import connect
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, RoleProcess, wait_cluster_ready
 from workers.shell.runtime import WALL
@@ -100,7 +100,7 @@ def _load(n: int, user_rack: str | None = None, seed: int = 1) -> list[ProfileIn
 async def _submit_spread(c: Cluster, items: list[ProfileInput], seconds: float,
                          ids: list[str] | None = None) -> list[str]:
     """Submit `items` evenly over `seconds`; their ids are appended to `ids` as they go (a fault waits on them)."""
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     gw = Gateway(c.config, r)
     ids = [] if ids is None else ids
     try:
@@ -116,7 +116,7 @@ async def _submit_spread(c: Cluster, items: list[ProfileInput], seconds: float,
 
 async def _client_view(c: Cluster, rid: str) -> tuple[list[TokenEvent], ResultEvent | None]:
     """What an HTTP client streams: the gateway's reader (tokens deduplicated by index, up to the result)."""
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     gw = Gateway(c.config, r)
     toks: list[TokenEvent] = []
     final = None
@@ -155,7 +155,6 @@ async def _inject(c: Cluster, node: str, kind: str) -> None:
     the roles' own client (`connect`: timeouts retried with backoff, as `rackflow fault` does): two vLLM workers
     decoding on 2 cores can keep Valkey from answering one read in time (a clean-clone CI run timed out here),
     and injecting a fault twice is injecting it once."""
-    from streams.runner import connect
     from workers.health import faults
 
     r = connect(c.redis_url)
@@ -185,7 +184,7 @@ async def _verdicts(c: Cluster, node: str) -> list[tuple[float, str]]:
     from pipeline.events import DecisionEvent
     from streams import codec, keys
 
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     try:
         evs = [codec.decode(f) for _e, f in await r.xrange(keys.DECISIONS)]
     finally:
@@ -443,7 +442,7 @@ def test_sigkill_torch_worker_mid_generation_streams_continue_with_the_uninterru
                               max_tokens=480) for i in range(16)]
 
         async def run() -> None:
-            r = aioredis.Redis.from_url(c.redis_url)
+            r = connect(c.redis_url)
             gw = Gateway(c.config, r)
             try:
                 for it in items:
@@ -492,7 +491,7 @@ async def _mid_stream_on(c: Cluster, ids: list[str], node: str) -> list[str]:
     """Requests whose latest tokens came from `node` and that have no final result yet."""
     from streams import codec, keys
 
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     out = []
     try:
         for rid in ids:
@@ -508,7 +507,7 @@ async def _mid_stream_on(c: Cluster, ids: list[str], node: str) -> list[str]:
 async def _where(c: Cluster, sent: list[Any]) -> dict[str, Any]:
     from streams import codec, keys
 
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     out: dict[str, Any] = {}
     try:
         for s in sent:

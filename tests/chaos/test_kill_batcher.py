@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from streams.runner import connect
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
 
@@ -17,11 +18,9 @@ pytestmark = pytest.mark.integration
 
 async def _pending_by_pid(url: str, racks: tuple[str, ...]) -> dict[int, int]:
     """Pending (delivered, unacknowledged) rack-stream entries per batcher process id."""
-    import redis.asyncio as aioredis
-
     from streams import keys
 
-    r = aioredis.Redis.from_url(url)
+    r = connect(url)
     out: dict[int, int] = {}
     try:
         for rack in racks:

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from pipeline.events import BatchEvent
 from pipeline.profiling import ProfileInput, profile_request
 from streams import keys
-from streams.runner import StreamProducer
+from streams.runner import StreamProducer, connect
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses
 from workers.shell.runtime import WALL
@@ -25,7 +25,7 @@ NODE = "r0-n0"
 
 
 async def _put_batches(config, url: str, n_batches: int, per_batch: int) -> set[str]:  # type: ignore[no-untyped-def]
-    r = aioredis.Redis.from_url(url)
+    r = connect(url)
     producer = StreamProducer(r, WALL.now_ms, 3_600_000)
     model = config.models["qwen2-7b"]
     ids: set[str] = set()
@@ -48,7 +48,7 @@ async def _put_batches(config, url: str, n_batches: int, per_batch: int) -> set[
 
 
 async def _consumers(url: str) -> int:
-    r = aioredis.Redis.from_url(url)
+    r = connect(url)
     try:
         return len(await r.xinfo_consumers(keys.node_batches(NODE), keys.GROUP_WORKER))
     except aioredis.ResponseError:
@@ -58,7 +58,7 @@ async def _consumers(url: str) -> int:
 
 
 async def _pending_of(url: str, consumer_prefix: str) -> int:
-    r = aioredis.Redis.from_url(url)
+    r = connect(url)
     try:
         info = await r.xinfo_consumers(keys.node_batches(NODE), keys.GROUP_WORKER)
     except aioredis.ResponseError:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import redis.asyncio as aioredis
 
 from streams import keys
+from streams.runner import connect
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 async def _xadd_raw(url: str, stream: str, fields: dict[bytes, bytes]) -> None:
-    r = aioredis.Redis.from_url(url)
+    r = connect(url)
     await r.xadd(stream, fields)
     await r.aclose()
 

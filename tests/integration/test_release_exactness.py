@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from pipeline.events import BatchEvent, ReleaseEvent, RequestEvent, TokenEvent
 from streams import codec, keys
+from streams.runner import connect
 from tests.integration import harness
 from workers.local.services import ServiceEndpoints
 from workers.shell.runtime import WALL
@@ -54,7 +55,7 @@ async def _scenario(ep: ServiceEndpoints, config: Any, seed: int, engine: str) -
     worker = Worker(config, NODE, engine, ep.redis_url, ep.etcd_url, grace_s=2.0)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
-    r = aioredis.Redis.from_url(ep.redis_url)
+    r = connect(ep.redis_url)
     try:
         while worker._engine_task is None:
             assert not task.done(), task

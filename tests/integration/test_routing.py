@@ -15,6 +15,7 @@ from pipeline.events import DecisionEvent
 from pipeline.profiling import ProfileInput
 from pipeline.routing.hashring import HashRing
 from streams import codec, keys
+from streams.runner import connect
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
 from workers.shell.runtime import WALL
@@ -111,8 +112,6 @@ def test_stale_node_is_not_routed_to(cluster) -> None:  # type: ignore[no-untype
 
 
 def test_user_output_ewma_is_updated_on_completion_and_feeds_the_estimate(cluster) -> None:  # type: ignore[no-untyped-def]
-    import redis.asyncio as aioredis
-
     from workers.stores.ingress import Gateway
 
     config, _procs, url = cluster
@@ -126,7 +125,7 @@ def test_user_output_ewma_is_updated_on_completion_and_feeds_the_estimate(cluste
         expected = 0.2 * n + 0.8 * expected  # alpha = profiling.ewma_alpha
 
     async def check() -> tuple[float | None, int, int]:
-        r = aioredis.Redis.from_url(url)
+        r = connect(url)
         try:
             gw = Gateway(config, r)
             avg = await gw.user_avg_out("t-ewma", "alice")

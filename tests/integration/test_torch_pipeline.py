@@ -14,11 +14,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
 from pipeline.events import ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
 from streams import codec, keys
+from streams.runner import connect
 from tests.integration import harness
 from workers.local.launcher import ClusterProcesses, wait_cluster_ready
 from workers.shell.runtime import WALL
@@ -33,7 +33,7 @@ TORCH_CLUSTER = {
 
 
 async def _streamed(url: str, rid: str) -> tuple[list[TokenEvent], ResultEvent | None]:
-    r = aioredis.Redis.from_url(url)
+    r = connect(url)
     try:
         entries = await r.xrange(keys.request_out(rid))
     finally:

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 import yaml
 
 from pipeline.events import RequestEvent, TokenEvent
 from pipeline.profiling import ProfileInput
 from streams import codec, keys
+from streams.runner import connect
 from tests.chaos.test_failover import Cluster, _check_all, _client_view, _inject, _migrations, _where
 from tests.integration import harness
 from tests.vllm.conftest import Reference, cluster_overlay
@@ -65,14 +65,14 @@ async def _submit_until_mid_stream(c: Cluster, items: list[ProfileInput]) -> tup
     """Submit, then wait until one node has at least two sequences mid-stream (tokens out, no result yet): that node
     is the victim (placement depends on which worker published its status first, so it is not fixed in advance)."""
     sent: list[RequestEvent] = []
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     gw = Gateway(c.config, r)
     try:
         for it in items:
             sent.append(await gw.submit(it))
     finally:
         await r.aclose()
-    r = aioredis.Redis.from_url(c.redis_url)
+    r = connect(c.redis_url)
     try:
         for _ in range(600):
             on: dict[str, int] = {}

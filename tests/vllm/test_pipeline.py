@@ -21,6 +21,8 @@ import httpx
 import pytest
 import redis
 import yaml
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent, RequestEvent, ResultEvent
@@ -53,7 +55,10 @@ class VllmCluster:
     model: str
 
     def r(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url)
+        """A client with the roles' retry policy (`streams.runner.connect`): vLLM workers decoding on 2 cores can keep
+        Valkey from answering one read within redis-py's default 5 s socket timeout."""
+        return redis.Redis.from_url(self.redis_url, retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), 8),
+                                    retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
     def status(self, node: str) -> HealthEvent:
         ev = codec.decode(self.r().hgetall(keys.node_status(node)))
