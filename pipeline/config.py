@@ -430,6 +430,10 @@ class WorkerPolicy(_Strict):
     """Default engine of `rackflow worker`."""
     zero_time: bool = False
     """`sim` engine: iterations take no time (measures the control plane alone, `rackflow bench pipeline`)."""
+    sim_world: bool = True
+    """`sim` engine: the node runs a hidden world cost model (`pipeline.sim.world`: a factor per operator class,
+    noise, stalls, seeded by `policies.seed` and the node's name), as the simulator's oracle-free nodes do, so that
+    the control plane meets a node that is not exactly its cost model; False: exactly the cost model."""
     token_flush_ms: int = Field(default=50, ge=0, le=10_000)
     """Tokens generated within this interval are sent to the client stream as one entry (0: every step)."""
     lease_ttl_s: int = Field(default=3, ge=1, le=600)

@@ -69,6 +69,10 @@ class RequestEvent:
     reply_to: str = ""
     """The admitting gateway's reply stream (`rf:gw:{ID}:out`): its tokens and result are delivered there too, so
     that one reader per gateway serves every open request. Empty: the per-request stream `rf:out:{id}` only."""
+    sim_out_tokens: int = 0
+    """For the `sim` engine alone: the request's true output length (a trace's), where it stops with
+    `finish_reason: "stop"`, as a real model stops at its end-of-sequence token. Profiling, routing and batching
+    never read it (they see `out_tokens`, the expected length). 0: it runs to max_tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +201,9 @@ class HealthEvent:
     """Observed iteration time over the cost model's for the same iterations (EWMA)."""
     max_seqs: int = 0
     """Sequences the engine runs at once (0: unknown)."""
+    prefill_slowdown: float = 0.0
+    """The same ratio for the prefill part of iterations, learned apart (`pipeline.costmodel.online`); 0: not
+    measured (as `slowdown`)."""
     prefix_hit_tokens: int = 0
     """Prompt tokens the engine's prefix cache saved since it started."""
     prompt_tokens: int = 0

@@ -35,12 +35,15 @@ def estimate_mem_kb(model: ModelSpec, in_tokens: int, out_tokens: int, estimator
 
 
 def expected_out_tokens(model: ModelSpec, max_tokens: int | None, user_avg_out: float | None) -> int:
-    """Output length used for the memory estimate: the request's max_tokens, else the user's EWMA, else the
-    model default."""
+    """Output length the control plane expects (its memory estimate, the node policies' decode term): the user's
+    EWMA of output lengths capped by the request's max_tokens, else max_tokens, else the EWMA, else the model
+    default. A client's max_tokens is a cap, not a prediction: clients send round numbers far above the answer
+    (4,096 for a 200-token reply), and the user's own history says more where it exists."""
+    avg = max(1, round(user_avg_out)) if user_avg_out is not None and user_avg_out > 0 else None
     if max_tokens is not None:
-        return max_tokens
-    if user_avg_out is not None and user_avg_out > 0:
-        return max(1, round(user_avg_out))
+        return max_tokens if avg is None else min(max_tokens, avg)
+    if avg is not None:
+        return avg
     return model.default_out_tokens
 
 
@@ -63,6 +66,8 @@ class ProfileInput:
     route_policy: str = ""
     prefix_hashes: tuple[int, ...] | None = None
     """Given by a trace (Mooncake `hash_ids`); else derived from the prompt."""
+    sim_out_tokens: int = 0
+    """A trace's true output length, for the `sim` engine alone (RequestEvent.sim_out_tokens); never profiled."""
 
 
 def profile_request(
@@ -102,4 +107,5 @@ def profile_request(
         prefix_cache=inp.prefix_cache,
         route_policy=inp.route_policy,
         prefix_hashes=hashes,
+        sim_out_tokens=max(0, inp.sim_out_tokens),
     )

@@ -53,6 +53,9 @@ class NodeView:
     node's GPU type should be, 1.5: a throttled or degraded node."""
     max_seqs: int = 0
     """Sequences the engine runs at once (vLLM's max_num_seqs); 0: unknown (no slot bound)."""
+    prefill_slowdown: float | None = None
+    """The same ratio for the prefill part of iterations, learned apart from the decode part's (`slowdown`):
+    `pipeline.costmodel.online.SpeedBelief`; None: as `slowdown`."""
 
     @property
     def idle(self) -> bool:
@@ -66,5 +69,5 @@ class NodeView:
             self.name, self.active, self.vram_total_gb, self.free_vram_gb, self.pcie_util_pct, self.avg_latency_ms,
             self.kv_capacity_kb, max(0.0, self.kv_free_kb - mem_kb), self.running, self.waiting + 1,
             self.prefill_tokens + prompt_tokens, self.decode_seqs, self.decode_tokens, self.kv_usage, self.slowdown,
-            self.max_seqs,
+            self.max_seqs, self.prefill_slowdown,
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.kv.prefix_cache import BlockListener, PrefixCache
+from pipeline.sim.world import NodeWorld
 
 
 class StepCost(Protocol):
@@ -97,6 +98,7 @@ class SimNode:
         util_bin_ms: float = 10_000.0,
         preempted: set[int] | None = None,
         max_stretch_steps: int = 0,
+        world: NodeWorld | None = None,
     ) -> None:
         self.name = name
         self.rack = rack
@@ -138,8 +140,15 @@ class SimNode:
         self.accepting = True
         """False while drained (health below threshold) or dead: the batcher sends it nothing new."""
         self.slow_factor = 1.0
+        self.world = world
+        """The node's hidden truth (oracle-free runs): its iterations take the cost model's time times its factor per
+        operator class, noise and stalls; None: exactly the cost model's (times `slow_factor`)."""
+        self.last_report: tuple[float, float, float] | None = None
+        """With a world: the phase that just ended as its worker reports it: (observed ms, the cost model's ms of its
+        prefill part, of its decode part), for the control plane's speed belief."""
         self.epoch = 0
-        # the phase in progress: None, ("prefill", end_ms, chunks) or ("decode", t0, n, kv0, steps, end_ms)
+        # the phase in progress: None, ("prefill", end_ms, chunks, t0, model_prefill_ms, model_decode_ms) or
+        # ("decode", t0, n, kv0, steps, end_ms, mult): mult is the phase's time over the cost model's
         self.phase: tuple[object, ...] | None = None
         self.avg_step_ms = 0.0
         self.busy_ms = 0.0
@@ -224,9 +233,10 @@ class SimNode:
         """Remove every sequence (the node died): returns them with `prompt`/`remaining` set for a re-prefill
         elsewhere (prompt + tokens generated so far)."""
         if self.phase is not None and self.phase[0] == "decode":
-            _, t0, n, kv0, steps, _end = self.phase
+            _, t0, n, kv0, steps, _end, mult = self.phase
             assert isinstance(t0, float) and isinstance(n, int) and isinstance(kv0, int) and isinstance(steps, int)
-            self.steps += min(steps, self.cost.decode_steps_within(n, kv0, (now - t0) / self.slow_factor))
+            assert isinstance(mult, float)
+            self.steps += min(steps, self.cost.decode_steps_within(n, kv0, (now - t0) / mult))
         self._account_mem(now)
         out: list[SimSeq] = []
         for s in list(self.waiting) + self.prefilling:
@@ -371,12 +381,20 @@ class SimNode:
                     if s.host_tokens:  # its host-tier blocks come back over the link before its first chunk runs
                         load_ms += s.host_tokens * self.host_ms_per_token
                         s.host_tokens = 0
-            dt = (self.cost.step_ms(
+            model_ms = self.cost.step_ms(
                 [c for _, c in chunks], len(self.decoding), self.kv_decoding, [s.prefilled for s, _ in chunks]
-            ) + load_ms) * self.slow_factor
-            end = now + dt
-            self.phase = ("prefill", end, chunks, now)
-            return end
+            )
+            w = self.world
+            if w is None:
+                dt = (model_ms + load_ms) * self.slow_factor
+                self.phase = ("prefill", now + dt, chunks, now, 0.0, 0.0)
+                return now + dt
+            # the world: the prefill part and the decode part at their own hidden factors, noise, stalls
+            dec_ms = self.cost.step_ms([], len(self.decoding), self.kv_decoding) if self.decoding else 0.0
+            pre_ms = max(0.0, model_ms - dec_ms)
+            dt = ((w.prefill * pre_ms + w.decode * dec_ms) * w.noise(1) + w.stalls_ms(1) + load_ms) * self.slow_factor
+            self.phase = ("prefill", now + dt, chunks, now, pre_ms + load_ms, dec_ms)
+            return now + dt
         if self.decoding:
             n = len(self.decoding)
             while True:
@@ -391,9 +409,14 @@ class SimNode:
             steps = max(1, min(r_min, max(1, steps_oom)))
             if self.max_stretch_steps:
                 steps = min(steps, self.max_stretch_steps)
-            dt = self.cost.decode_span_ms(n, self.kv_decoding, steps) * self.slow_factor
-            end = now + dt
-            self.phase = ("decode", now, n, self.kv_decoding, steps, end)
+            model_ms = self.cost.decode_span_ms(n, self.kv_decoding, steps)
+            w = self.world
+            if w is None:
+                mult = self.slow_factor
+            else:
+                mult = (w.decode * w.noise(steps) + w.stalls_ms(steps) / max(1e-9, model_ms)) * self.slow_factor
+            end = now + model_ms * mult
+            self.phase = ("decode", now, n, self.kv_decoding, steps, end, mult)
             return end
         return None
 
@@ -402,14 +425,15 @@ class SimNode:
         step boundary). True when the end moved: the caller reschedules the node's end event (epoch changed)."""
         if self.phase is None or self.phase[0] != "decode":
             return False
-        _, t0, n, kv0, steps, _end = self.phase
+        _, t0, n, kv0, steps, _end, mult = self.phase
         assert isinstance(t0, float) and isinstance(n, int) and isinstance(kv0, int) and isinstance(steps, int)
-        done = self.cost.decode_steps_within(n, kv0, (now - t0) / self.slow_factor)
+        assert isinstance(mult, float)
+        done = self.cost.decode_steps_within(n, kv0, (now - t0) / mult)
         k = min(steps, done + 1)
         if k >= steps:
             return False
-        new_end = t0 + self.cost.decode_span_ms(n, kv0, k) * self.slow_factor
-        self.phase = ("decode", t0, n, kv0, k, new_end)
+        new_end = t0 + self.cost.decode_span_ms(n, kv0, k) * mult
+        self.phase = ("decode", t0, n, kv0, k, new_end, mult)
         self.epoch += 1
         return True
 
@@ -426,10 +450,13 @@ class SimNode:
         self.phase = None
         self._account_mem(now)
         if ph[0] == "prefill":
-            _, _end, chunks, t0 = ph
+            _, _end, chunks, t0, pre_ms, dec_ms = ph
             assert isinstance(chunks, list) and isinstance(t0, float)
             self.iterations += 1
             dt = now - t0
+            if self.world is not None:
+                assert isinstance(pre_ms, float) and isinstance(dec_ms, float)
+                self.last_report = (dt, pre_ms, dec_ms)
             self.busy_ms += dt
             self.avg_step_ms = 0.8 * self.avg_step_ms + 0.2 * dt if self.avg_step_ms else dt
             self.slowdown = 0.8 * self.slowdown + 0.2 * self.slow_factor
@@ -457,8 +484,11 @@ class SimNode:
                     self.kv_decoding += s.prompt
                     heapq.heappush(self._finish_heap, (s.finish_step, s.rid))
         else:
-            _, t0, n, _kv0, steps, _end = ph
+            _, t0, n, kv0, steps, _end, _mult = ph
             assert isinstance(t0, float) and isinstance(n, int) and isinstance(steps, int)
+            if self.world is not None and steps:
+                assert isinstance(kv0, int)
+                self.last_report = (now - t0, 0.0, self.cost.decode_span_ms(n, kv0, steps))
             self.iterations += steps
             self.busy_ms += now - t0
             per = (now - t0) / steps if steps else 0.0

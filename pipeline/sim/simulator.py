@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,10 +29,11 @@ from pipeline.admission import RATE_WINDOW_S, Admission
 from pipeline.batching.fixed import FixedBatcher
 from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
 from pipeline.config import NodeSpec, RackflowConfig
+from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.failover import LiveSequence, plan_migrations
 from pipeline.health import HealthSample, HealthScorer
-from pipeline.profiling import estimate_mem_kb
+from pipeline.profiling import estimate_mem_kb, expected_out_tokens
 from pipeline.replay import policy_context
 from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.rack_affinity import RackSummary, keeps_prefix_cache, rack_cached_tokens
@@ -40,6 +42,7 @@ from pipeline.routing.views import NodeView, RackView
 from pipeline.sim.control_plane import ControlPlaneCosts, Station
 from pipeline.sim.node import SimNode, SimSeq, StepCost
 from pipeline.sim.traces import TraceRequest
+from pipeline.sim.world import WorldSpec
 
 FAULT, NODE_END, BATCH, ARRIVAL, WINDOW = 0, 1, 2, 3, 4
 
@@ -79,6 +82,13 @@ class SimParams:
     admission: bool = True
     """Shed requests as the gateway does (`pipeline.admission`: rack queue bound in requests and in seconds of
     work); off: every request is let in and queues."""
+    world: WorldSpec = field(default_factory=WorldSpec)
+    """What the control plane cannot see (`pipeline.sim.world`): the clients' max_tokens, each node's hidden speed;
+    unused with `oracle`."""
+    oracle: bool = False
+    """True: the control plane is handed what no live one has (each request's true output length as its expected
+    output and in its memory estimate; each node's exact speed, the world cost model equal to its belief). False
+    (default): it sees what it would see live (`pipeline.sim.world`)."""
     control_plane: ControlPlaneCosts | None = None
     """Routers, per-rack batchers, Valkey shards, etcd and node links as service stations with measured costs
     (`pipeline.sim.control_plane`); None (default): the control plane costs nothing but the two constant hops
@@ -137,6 +147,16 @@ class SimResult:
     """Of `cached_tokens`, those loaded back from host memory."""
     control_plane: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per station (control-plane costs on): utilisation, waits, backlog at the end."""
+    oracle: bool = False
+    belief_error_tenth: list[float] = field(default_factory=list)
+    """Oracle-free runs: per node, the learned speed belief's error against the world (the larger of its two
+    operator classes) at the end of the first tenth of the arrivals' span."""
+    belief_error_end: list[float] = field(default_factory=list)
+    """The same at the end of the run."""
+    expected_out: list[int] = field(default_factory=list)
+    """Per request, the output length the control plane expected (oracle: the true one)."""
+    max_tokens: list[int | None] = field(default_factory=list)
+    """Per request, the max_tokens its client sent (None: unset)."""
 
 
 class Simulator:
@@ -171,6 +191,10 @@ class Simulator:
         read off the KV event stream)."""
         self.preempted: set[int] = set()
         bt = pol.profiling.prefix_block_tokens
+        self.oracle = params.oracle
+        world = params.world
+        all_names = [spec.name for rack in config.cluster.racks for spec in rack.expanded()]
+        slow = set() if self.oracle else world.slow_nodes(all_names, pol.seed)
         for rack in config.cluster.racks:
             idx = []
             specs = rack.expanded()
@@ -180,6 +204,8 @@ class Simulator:
                 idx.append(len(self.nodes))
                 costs[spec.name] = cost_for(spec)
                 self.nodes.append(self._make_node(spec, rack.name, costs[spec.name]))
+                if not self.oracle:
+                    self.nodes[-1].world = world.node(spec.name, pol.seed, spec.name in slow)
                 self.node_models[spec.name] = frozenset(spec.models)
             ctx = policy_context(config, rack.name, self.blocks, _lookup(costs))
             policies = NodePolicySet(pol.node_selection, pol.seed, rack.name, ctx.node_gpus, bt, context=ctx)
@@ -230,6 +256,20 @@ class Simulator:
         self.drop_reasons: dict[str, int] = {}
         self.n_dropped = 0
         self.mem_est = [0.0] * n
+        self.beliefs = [SpeedBelief() for _ in self.nodes]
+        """Per node, the control plane's learned speed (oracle-free runs; the node views carry it)."""
+        crng = random.Random(pol.seed * 7919 + 17)
+        self.max_tokens: list[int | None] = [
+            r.max_tokens if r.max_tokens is not None or self.oracle else world.client.draw(r.out_tokens, crng)
+            for r in self.reqs]
+        """What each request's client sends as max_tokens (the trace's, else the client model's draw)."""
+        self.expected_out = [0] * n
+        self.user_out: dict[str, float] = {}
+        """The gateway's EWMA of each user's output lengths, updated at each completion (what it reads live)."""
+        self._ewma_alpha = pol.profiling.ewma_alpha
+        span = (self.reqs[-1].arrival_ms - self.reqs[0].arrival_ms) if n > 1 else 0.0
+        self._tenth_at = (self.reqs[0].arrival_ms + span / 10.0) if n and not self.oracle else math.inf
+        self.belief_error_tenth: list[float] = []
         self.migrations = 0
         self.requeued: dict[int, tuple[int, int]] = {}
         """rid -> (tokens to prefill, tokens left) of a migrated sequence sent back through a batcher."""
@@ -313,6 +353,12 @@ class Simulator:
             max(0.0, n.mem_cap_kb - n.mem_est_used), n.running, len(n.waiting),
             prefill_tokens=n.prefill_backlog, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=n.slowdown, max_seqs=n.max_num_seqs,
+        ) if self.oracle else NodeView(
+            n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
+            max(0.0, n.mem_cap_kb - n.mem_est_used), n.running, len(n.waiting),
+            prefill_tokens=n.prefill_backlog, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
+            kv_usage=n.kv_usage, slowdown=self.beliefs[i].decode, max_seqs=n.max_num_seqs,
+            prefill_slowdown=self.beliefs[i].prefill,
         )
         return v
 
@@ -351,7 +397,12 @@ class Simulator:
             self._drop(rid, "model not served")
             return
         prof = self.config.policies.profiling
-        mem = estimate_mem_kb(model, tr.in_tokens, tr.out_tokens, prof.estimator, prof.shape_margin)
+        if self.oracle:
+            expected = tr.out_tokens
+        else:  # what the gateway expects live: max_tokens, the user's history under it, the model default
+            expected = expected_out_tokens(model, self.max_tokens[rid], self.user_out.get(tr.user_id or f"anon-{rid}"))
+        self.expected_out[rid] = expected
+        mem = estimate_mem_kb(model, tr.in_tokens, expected, prof.estimator, prof.shape_margin)
         self.mem_est[rid] = mem
         self._refresh_rack_work(now)
         if self.admission is not None and not self._admit(tr.user_id or f"anon-{rid}", model_name, now):
@@ -388,8 +439,11 @@ class Simulator:
             v.nodes)
         rule = self.config.policies.router.prefix_cache_rule
         keep = keeps_prefix_cache(rule.enabled, rule.min_tokens, tr.in_tokens, d, True)
+        expected = self.expected_out[rid]
+        mt = self.max_tokens[rid]
         req = RequestEvent(
-            str(rid), 1, "sim", tr.user_id, model_name, tr.in_tokens, tr.out_tokens, tr.out_tokens, mem, tr.arrival_ms,
+            str(rid), 1, "sim", tr.user_id, model_name, tr.in_tokens, expected, mt if mt is not None else expected,
+            mem, tr.arrival_ms,
             prefix_cache=keep, rack=d.rack, prefix_hashes=tr.prefix_hashes,
         )
         rack = self.racks[d.rack]
@@ -534,6 +588,13 @@ class Simulator:
             self._st_spread.charge(now, len(node.decoding) * per_seq * cp.xadd_ms)
         res = node.finish_phase(now)
         self._views[i] = None
+        rep = node.last_report
+        if rep is not None:  # what the worker reports of the phase: the control plane's belief learns from it
+            node.last_report = None
+            self.beliefs[i].observe(*rep)
+        if now >= self._tenth_at:
+            self._tenth_at = math.inf
+            self.belief_error_tenth = self._belief_errors()
         if self.params.check_invariants:
             self._check(node)
         for rid, t in res.first_tokens:
@@ -542,6 +603,12 @@ class Simulator:
         rack = self.racks[node.rack]
         for f in res.finished:
             self.finish[f.rid] = f.finish_ms
+            if not self.oracle:  # the result's output length feeds the gateway's EWMA of the user's lengths
+                tr = self.reqs[f.rid]
+                user = tr.user_id or f"anon-{f.rid}"
+                old = self.user_out.get(user)
+                a = self._ewma_alpha
+                self.user_out[user] = float(tr.out_tokens) if old is None else a * tr.out_tokens + (1 - a) * old
             if cp is not None:  # the result's XADD + read; the first token's XADD
                 self._st_global.charge(now, cp.result_global_ms)
                 self._st_spread.charge(now, cp.xadd_ms)
@@ -553,6 +620,16 @@ class Simulator:
         self._schedule_node(i, now)
         if rack.batcher.pending_count and (res.freed or node.prefill_backlog < self._horizon):
             self._try_close(rack, now)
+
+    def _belief_errors(self) -> list[float]:
+        """Per live node: the learned belief's error against the world it runs (the larger class error)."""
+        out = []
+        for node, belief in zip(self.nodes, self.beliefs, strict=True):
+            w = node.world
+            if w is None or not node.alive:
+                continue
+            out.append(belief.error(w.prefill * node.slow_factor, w.decode * node.slow_factor))
+        return out
 
     def _check(self, node: SimNode) -> None:
         if node.kv_tokens > node.capacity_tokens:
@@ -711,7 +788,9 @@ class Simulator:
             drop_reasons=self.drop_reasons, kv_bins=[x.kv_bins for x in self.nodes],
             util_bin_ms=self.params.util_bin_ms, preempted=len(self.preempted), shed=self.shed,
             host_hit_tokens=sum(x.host_hit_tokens for x in self.nodes),
-            control_plane=self._control_plane_report(span),
+            control_plane=self._control_plane_report(span), oracle=self.oracle,
+            belief_error_tenth=self.belief_error_tenth, belief_error_end=self._belief_errors(),
+            expected_out=self.expected_out, max_tokens=self.max_tokens,
         )
 
     def _control_plane_report(self, span: float) -> dict[str, dict[str, float]]:

@@ -27,6 +27,10 @@ class TraceRequest:
     prefix_hashes: tuple[int, ...] = ()
     """Ids of the prompt's prefix blocks (Mooncake: 512-token blocks; equal ids share KV)."""
     model: str = ""
+    max_tokens: int | None = None
+    """What the client sends as `max_tokens` (None: unset). `out_tokens` is the true length, which the engine alone
+    learns (it stops there); the control plane sees only this, the user's history and the model default
+    (`pipeline.sim.world.ClientModel` draws it; the oracle mode hands the control plane `out_tokens` instead)."""
 
 
 class TraceError(RackflowError, ValueError):
@@ -258,6 +262,7 @@ def superpose(reqs: Sequence[TraceRequest], copies: int, rng: random.Random) -> 
         shift = rng.uniform(0, gap) if k else 0.0
         for r in reqs:  # the constructor, not dataclasses.replace: 2 M copies at 50 M requests a day
             user = f"{r.user_id}#{k}" if r.user_id and k else r.user_id
-            out.append(TraceRequest(r.arrival_ms + shift, r.in_tokens, r.out_tokens, user, r.prefix_hashes, r.model))
+            out.append(TraceRequest(r.arrival_ms + shift, r.in_tokens, r.out_tokens, user, r.prefix_hashes, r.model,
+                                    r.max_tokens))
     out.sort(key=lambda r: r.arrival_ms)
     return out

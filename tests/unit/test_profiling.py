@@ -66,8 +66,16 @@ def test_memory_estimate_rejects_negative_tokens_and_unknown_estimators() -> Non
 
 @settings(max_examples=100, deadline=None)
 @given(max_tokens=st.integers(1, 100_000), ewma=st.one_of(st.none(), st.floats(0.5, 1e5)))
-def test_request_max_tokens_takes_precedence_over_user_history(max_tokens: int, ewma: float | None) -> None:
-    assert expected_out_tokens(QWEN, max_tokens, ewma) == max_tokens
+def test_request_max_tokens_caps_the_user_history(max_tokens: int, ewma: float | None) -> None:
+    got = expected_out_tokens(QWEN, max_tokens, ewma)
+    assert got == (max_tokens if ewma is None else min(max_tokens, max(1, round(ewma))))
+    assert 1 <= got <= max_tokens  # a cap is never exceeded
+
+
+def test_a_round_cap_far_above_the_history_expects_the_history() -> None:
+    assert expected_out_tokens(QWEN, 4096, 212.4) == 212
+    assert expected_out_tokens(QWEN, 100, 212.4) == 100
+    assert expected_out_tokens(QWEN, 4096, None) == 4096
 
 
 @settings(max_examples=100, deadline=None)

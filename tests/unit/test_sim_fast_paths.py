@@ -13,25 +13,27 @@ from pipeline.sim.traces import TraceRequest, superpose
 
 def test_with_placed_is_replace_of_its_three_fields_and_copies_every_other_field() -> None:
     v = NodeView("n", True, 640.0, 100.5, 12.0, 31.0, 5e7, 2e7, 3, 2, prefill_tokens=900, decode_seqs=3,
-                 decode_tokens=4000, kv_usage=0.4, slowdown=1.3, max_seqs=64)
+                 decode_tokens=4000, kv_usage=0.4, slowdown=1.3, max_seqs=64, prefill_slowdown=0.9)
     got = v.with_placed(3e6, 512)
     want = dataclasses.replace(v, kv_free_kb=2e7 - 3e6, waiting=3, prefill_tokens=1412)
     assert got == want
     # a field added to NodeView must be added to with_placed: it builds the view positionally
-    assert [f.name for f in dataclasses.fields(NodeView)][-1] == "max_seqs" and len(dataclasses.fields(NodeView)) == 16
+    assert ([f.name for f in dataclasses.fields(NodeView)][-1] == "prefill_slowdown"
+            and len(dataclasses.fields(NodeView)) == 17)
     assert v.with_placed(3e7, 1).kv_free_kb == 0.0
 
 
 def test_superpose_copies_every_field_of_a_request() -> None:
-    reqs = [TraceRequest(10.0 * i, 100 + i, 5 + i, f"u{i}", (i, i + 1), "m") for i in range(5)]
+    reqs = [TraceRequest(10.0 * i, 100 + i, 5 + i, f"u{i}", (i, i + 1), "m", 64 * i or None) for i in range(5)]
     out = superpose(reqs, 3, random.Random(1))
     assert len(out) == 15
     for r in out:
         base = reqs[r.in_tokens - 100]
-        assert (r.out_tokens, r.prefix_hashes, r.model) == (base.out_tokens, base.prefix_hashes, base.model)
+        assert (r.out_tokens, r.prefix_hashes, r.model, r.max_tokens) == (
+            base.out_tokens, base.prefix_hashes, base.model, base.max_tokens)
         assert r.user_id.split("#")[0] == base.user_id
     assert [f.name for f in dataclasses.fields(TraceRequest)] == [
-        "arrival_ms", "in_tokens", "out_tokens", "user_id", "prefix_hashes", "model"]
+        "arrival_ms", "in_tokens", "out_tokens", "user_id", "prefix_hashes", "model", "max_tokens"]
 
 
 def test_one_chunk_step_time_is_the_general_loops_to_the_last_bit() -> None:

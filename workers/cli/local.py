@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.sim.world import ClientModel
 from workers.cli.common import positive, redact
 from workers.local.cluster import DEFAULT_VLLM_CHECKPOINT, LocalCluster
 from workers.local.services import STATE_DIR
@@ -145,6 +146,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         run = DemoRun(
             cluster.config, cluster.redis_url, cluster.etcd_url, trace, args.requests, args.speedup,
             args.model, cluster.config.policies.seed, progress=not args.no_progress,
+            # the clients send what clients send (a round cap or none); the sim engines alone learn the true length
+            client=None if args.oracle else ClientModel(),
         )
         asyncio.run(run.wait_ready())
         t0 = time.time() * 1000.0
@@ -163,6 +166,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plot = Path(args.out) / "demo.png"
     write_plot(report, plot)
     report["plot"] = str(plot)
+    report["oracle"] = bool(args.oracle)
     from workers.local.demo import public
 
     (Path(args.out) / "demo.json").write_text(json.dumps(public(report), indent=2, sort_keys=True))
@@ -222,4 +226,6 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--engine", choices=["sim", "torch"], default=None)
+    s.add_argument("--oracle", action="store_true", help="send each request's true output length as max_tokens (the "
+                   "demo before the oracle-free clients: the control plane then knows every length)")
     s.set_defaults(fn=cmd_demo)

@@ -32,6 +32,7 @@ def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callabl
             max_batched_tokens=config.policies.worker.max_batched_tokens,
             prefix_block_tokens=bt,
             host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
+            world=_sim_world(config, node),
         )
     if engine == "torch":
         # imported here: torch and transformers load only in workers that run this engine
@@ -52,6 +53,19 @@ def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callabl
             raise ValueError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
         return VllmEngine(vc, now_ms, tensor_parallel_size=vc.tensor_parallel_size or config.node(node).tp)
     raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
+
+
+def _sim_world(config: RackflowConfig, node: str):  # type: ignore[no-untyped-def]
+    """The node's hidden world (`pipeline.sim.world`), as the oracle-free simulator draws it for the same seed and
+    node name; None with `worker.sim_world` off or a zero-time engine."""
+    wp = config.policies.worker
+    if not wp.sim_world or wp.zero_time:
+        return None
+    from pipeline.sim.world import WorldSpec
+
+    spec = WorldSpec()
+    names = [n.name for rack in config.cluster.racks for n in rack.expanded()]
+    return spec.node(node, config.policies.seed, node in spec.slow_nodes(names, config.policies.seed))
 
 
 __all__ = ["Engine", "EngineStats", "SeqFinished", "StepOutput", "TokenOut", "build_engine"]

@@ -74,6 +74,8 @@ class EngineStats:
     """Observed iteration time over the cost model's for the same iterations (1: as the GPU type should run)."""
     max_seqs: int = 0
     """Sequences it runs at once (0: not bounded by the engine)."""
+    prefill_slowdown: float = 0.0
+    """The prefill part's ratio, learned apart from the decode part's `slowdown` (0: not measured)."""
     prefix_hit_tokens: int = 0
     """Prompt tokens its prefix cache saved since it started (of `prompt_tokens`)."""
     prompt_tokens: int = 0

@@ -19,10 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.costmodel import IterationCostModel
+from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from pipeline.routing.hashring import stable_hash64
 from pipeline.sim.node import SimNode, SimSeq
+from pipeline.sim.world import NodeWorld
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 
 _WORDS = (
@@ -69,6 +71,7 @@ class SimEngine:
         max_batched_tokens: int = 8192,
         prefix_block_tokens: int = 512,
         host_cache_blocks: int = 0,
+        world: NodeWorld | None = None,
     ) -> None:
         self.cost = cost
         self.zero_time = zero_time
@@ -89,8 +92,11 @@ class SimEngine:
             kv_bytes_per_token=m.kv_bytes_per_token, prefix_block_tokens=prefix_block_tokens,
             host_cache_blocks=host_cache_blocks, host_link_gbps=cost.gpu.pcie_gbps / 2 * cost.tp,
             block_listener=lambda stored, removed: self.block_events.append((stored, removed)),
-            max_stretch_steps=1,
+            max_stretch_steps=1, world=world,
         )
+        self.belief = SpeedBelief()
+        """What the node's iterations say of its speed against the cost model (reported as `slowdown` and
+        `prefill_slowdown` in the node status): the estimator the simulator's control plane uses."""
         self._seqs: dict[str, _Seq] = {}
         self._by_rid: dict[int, _Seq] = {}
         self._next_rid = 0
@@ -134,7 +140,9 @@ class SimEngine:
         self._by_rid[rid] = seq
         prompt = max(1, req.in_tokens) + generated
         prefix = req.prefix_hashes if req.prefix_cache else ()
-        self.node.submit(SimSeq(rid, prompt, max(1, req.max_tokens - generated), req.mem_est_kb, prefix,
+        # a trace's true length, where it has one: the sequence ends there ("stop"), else at max_tokens
+        stop_at = min(req.max_tokens, req.sim_out_tokens) if req.sim_out_tokens > 0 else req.max_tokens
+        self.node.submit(SimSeq(rid, prompt, max(1, stop_at - generated), req.mem_est_kb, prefix,
                                 resident=resident))
 
     def submit(self, req: RequestEvent) -> None:
@@ -215,6 +223,9 @@ class SimEngine:
             self._stepping = False
         now = t0 if self.zero_time else max(end, self.now_ms())
         res = node.finish_phase(now)
+        if node.last_report is not None:
+            self.belief.observe(*node.last_report)
+            node.last_report = None
         gone = self._abort_after_step
         tokens: list[TokenOut] = []
         vocab = self.cost.model.vocab
@@ -239,7 +250,9 @@ class SimEngine:
             if seq.req.request_id in gone:
                 gone.discard(seq.req.request_id)
                 continue
-            finished.append(SeqFinished(seq.req.request_id, seq.generated, seq.start_ms, seq.first_token_ms, now))
+            r = seq.req
+            reason = "stop" if 0 < r.sim_out_tokens < r.max_tokens and seq.generated >= r.sim_out_tokens else "length"
+            finished.append(SeqFinished(r.request_id, seq.generated, seq.start_ms, seq.first_token_ms, now, reason))
         for request_id in list(gone):
             seq = self._seqs.get(request_id)
             if seq is not None:
@@ -275,7 +288,8 @@ class SimEngine:
             decode_seqs=len(node.decoding),
             decode_tokens=node.kv_decoding,
             kv_usage=node.kv_usage,
-            slowdown=node.slowdown,
+            slowdown=node.slowdown if node.world is None else self.belief.decode,
+            prefill_slowdown=0.0 if node.world is None else self.belief.prefill,
             max_seqs=node.max_num_seqs,
             prefix_hit_tokens=node.cached_tokens,
             prompt_tokens=node.prompt_tokens,

@@ -27,6 +27,7 @@ from pipeline.config import RackflowConfig
 from pipeline.events import BatchEvent, ResultEvent
 from pipeline.profiling import ProfileInput
 from pipeline.sim.traces import TraceRequest, parse_azure
+from pipeline.sim.world import ClientModel
 from pipeline.stats import percentile
 from streams import codec, keys
 from streams.errors import DecodeError
@@ -67,6 +68,10 @@ class DemoRun:
     rows: list[TraceRequest] | None = None
     """Requests to replay instead of the first `requests` of the Azure trace at `trace` (their users and prefix
     blocks are kept; a request without a user gets a Zipf-drawn one)."""
+    client: ClientModel | None = None
+    """What the clients send as max_tokens (`pipeline.sim.world.ClientModel`): each request then carries its true
+    length only in `sim_out_tokens`, for the sim engine alone, and the control plane sees the drawn cap (or none).
+    None: max_tokens is the trace's true length (an engine that runs to max_tokens, vLLM with ignore_eos)."""
     submitted: dict[str, float] = field(default_factory=dict)
     results: dict[str, ResultEvent] = field(default_factory=dict)
     result_counts: Counter[str] = field(default_factory=Counter)
@@ -78,6 +83,8 @@ class DemoRun:
         rows = self.rows if self.rows is not None else read_azure_trace(self.trace, self.requests)
         rng = random.Random(self.seed)
         users = [row.user_id or u for row, u in zip(rows, zipf_users(500, 1.1, rng, len(rows)), strict=True)]
+        crng = random.Random(self.seed + 7)
+        caps = [self.client.draw(row.out_tokens, crng) if self.client is not None else row.out_tokens for row in rows]
         r = connect(self.redis_url)
         gateway = Gateway(self.config, r)
         try:
@@ -100,8 +107,9 @@ class DemoRun:
                 row = rows[i]
                 due.append(ProfileInput(
                     request_id=str(uuid.uuid4()), tenant="demo", user_id=users[i], model=self.model,
-                    arrival_ms=WALL.now_ms(), prompt_tokens=row.in_tokens, max_tokens=row.out_tokens,
+                    arrival_ms=WALL.now_ms(), prompt_tokens=row.in_tokens, max_tokens=caps[i],
                     prefix_hashes=row.prefix_hashes or None,
+                    sim_out_tokens=row.out_tokens if self.client is not None else 0,
                 ))
                 i += 1
             if due:

@@ -639,6 +639,7 @@ class Worker:
             kv_usage=s.kv_usage,
             slowdown=s.slowdown,
             max_seqs=s.max_seqs,
+            prefill_slowdown=s.prefill_slowdown,
             prefix_hit_tokens=s.prefix_hit_tokens,
             prompt_tokens=s.prompt_tokens,
             kv_blocks_total=s.kv_blocks_total,

@@ -78,7 +78,7 @@ def roundrobin_vs_weighted(args: argparse.Namespace, out: Path) -> dict[str, Any
     for scen, (reqs, faults) in scenarios.items():
         for pol in ("round_robin", "weighted", "work_aware"):
             cfg = _config(args, cluster, pol, seed)
-            row, res = run_once(cfg, reqs, SimParams(), faults, "qwen2-72b", not args.no_progress,
+            row, res = run_once(cfg, reqs, _params(), faults, "qwen2-72b", not args.no_progress,
                                 label=f"{scen} {pol}")
             table[f"{scen}/{pol}"] = row
             if scen == "moderate+slow-node":
@@ -123,14 +123,14 @@ def window_batching(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     reqs = _mooncake(args.requests, args.rate_scale or 6.0, seed)
     seed_est = {"estimator": "seed"}
     variants: dict[str, tuple[SimParams, dict[str, Any], dict[str, Any]]] = {
-        "fixed32": (SimParams(batching="fixed", fixed_batch=32, max_num_seqs=32, admission=False),
+        "fixed32": (_params(batching="fixed", fixed_batch=32, max_num_seqs=32, admission=False),
                     {"window_ms": 100}, seed_est),
-        "window100-seed": (SimParams(admission=False), {"window_ms": 100}, seed_est),
-        "window100": (SimParams(admission=False), {"window_ms": 100}, {}),
-        "window200": (SimParams(admission=False), {"window_ms": 200}, {}),
+        "window100-seed": (_params(admission=False), {"window_ms": 100}, seed_est),
+        "window100": (_params(admission=False), {"window_ms": 100}, {}),
+        "window200": (_params(admission=False), {"window_ms": 200}, {}),
     }
     for m in (0.6, 0.8, 0.9, 1.1):
-        variants[f"window100-margin{m}"] = (SimParams(admission=False), {"window_ms": 100}, {"shape_margin": m})
+        variants[f"window100-margin{m}"] = (_params(admission=False), {"window_ms": 100}, {"shape_margin": m})
     table: dict[str, dict[str, Any]] = {}
     results: dict[str, SimResult] = {}
     for name, (params, batcher, profiling) in variants.items():
@@ -170,7 +170,7 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         racks = max(1, nodes // 8)
         cfg = _config(args, _cluster(racks, nodes // racks), "weighted", seed)
         price = cfg.gpus["h100-80gb"].price_per_hour
-        row, _res = run_once(cfg, load, SimParams(control_plane=cp), [], "qwen2-72b", not args.no_progress,
+        row, _res = run_once(cfg, load, _params(control_plane=cp), [], "qwen2-72b", not args.no_progress,
                              label=f"{gpus} GPUs")
         hours = max(1e-9, row["simulated_s"] / 3600.0)
         row["cost_per_request_usd"] = round(gpus * price * hours / max(1, row["completed"]), 6)
@@ -189,10 +189,10 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         nodes = gpus // 8
         cfg = _config(args, _cluster(nodes // 8, 8), "weighted", seed)
         heavy = list(scale_rate(full[:flood], flood_scale))  # the floods do not depend on --requests
-        row, _ = run_once(cfg, heavy, SimParams(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
+        row, _ = run_once(cfg, heavy, _params(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
         capacity[str(gpus)] = row["steady_throughput_rps"]
         if cp is not None:
-            row, _ = run_once(cfg, heavy, SimParams(control_plane=cp), [], "qwen2-72b", not args.no_progress,
+            row, _ = run_once(cfg, heavy, _params(control_plane=cp), [], "qwen2-72b", not args.no_progress,
                               label=f"{gpus} overload, control-plane costs")
             capacity_cp[str(gpus)] = row["steady_throughput_rps"]
             stations[str(gpus)] = row.get("control_plane", {})
@@ -246,7 +246,7 @@ def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # 1. per-request demand on each station, measured by a simulation at a moderate load: 8 H100 TP8 nodes
     #    (Qwen2-72B), the Azure conversation trace at 4x its rate (its decode times set the token flushes)
     reqs = _azure(args.requests or 3000, args.rate_scale or 4.0, seed)
-    row, res = run_once(cfg0, reqs, SimParams(control_plane=c1), [], "qwen2-72b", not args.no_progress,
+    row, res = run_once(cfg0, reqs, _params(control_plane=c1), [], "qwen2-72b", not args.no_progress,
                         label="demand per request")
     st = row["control_plane"]
     done = max(1, row["completed"])
@@ -300,7 +300,7 @@ def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for routers in sorted({1, need}):
             cp = ControlPlaneCosts.from_calibration(cal, routers=routers, batchers_per_rack=1, valkey_shards=16,
                                                     token_flush_ms=c1.token_flush_ms)
-            r, rr = run_once(cfg7, load, SimParams(control_plane=cp, admission=False), [], "qwen2-7b",
+            r, rr = run_once(cfg7, load, _params(control_plane=cp, admission=False), [], "qwen2-7b",
                              not args.no_progress, label=f"router x{routers} at {mult}x")
             key = f"{mult}x/{routers} router{'s' if routers > 1 else ''}"
             rs = r["control_plane"]["router"]
@@ -322,7 +322,7 @@ def sizing(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for k in sorted({1, need}):
             cp = ControlPlaneCosts.from_calibration(cal, routers=4, batchers_per_rack=k, valkey_shards=16,
                                                     token_flush_ms=c1.token_flush_ms)
-            r, _rr = run_once(cfg_b, load, SimParams(control_plane=cp, admission=False), [], "qwen2-7b",
+            r, _rr = run_once(cfg_b, load, _params(control_plane=cp, admission=False), [], "qwen2-7b",
                               not args.no_progress, label=f"batcher x{k} at {mult}x")
             bs = r["control_plane"]["batcher_busiest_rack"]
             bsat[f"{mult}x/{k} batcher{'s' if k > 1 else ''}"] = {
@@ -448,7 +448,18 @@ def vidur(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return result
 
 
+ORACLE = False
+"""`--oracle`: every simulation of the experiment hands the control plane the true output lengths and the engines'
+exact speed (`SimParams.oracle`); the JSON says so."""
+
+
+def _params(**kw: Any) -> SimParams:
+    return SimParams(oracle=ORACLE, **kw)
+
+
 def run_experiment(args: argparse.Namespace) -> int:
+    global ORACLE
+    ORACLE = bool(getattr(args, "oracle", False))
     name = args.name
     if name not in EXPERIMENTS:
         print(f"rackflow sim experiment: unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}",
@@ -459,6 +470,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     fn = {"roundrobin-vs-weighted": roundrobin_vs_weighted, "window-batching": window_batching,
           "scale-pareto": scale_pareto, "sizing": sizing, "vidur": vidur}[name]
     result = fn(args, out)
+    result["oracle"] = ORACLE
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     if args.json:
         print(json.dumps(result, sort_keys=True))

@@ -34,6 +34,9 @@ from pipeline.sim.traces import (
 REPO = Path(__file__).resolve().parents[2]
 
 
+TRACE_FORMATS = ("azure", "mooncake")
+"""Trace file formats `load_trace` reads (a PATH:FORMAT of `rackflow sim matrix --traces`)."""
+
 AZURE_CONV = REPO / "data" / "traces" / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
 
 

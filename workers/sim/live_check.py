@@ -83,7 +83,11 @@ def simulate(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine
              dispatch_ms: float) -> tuple[list[float], list[float], Any]:
     params = SimParams(max_num_seqs=engine["max_num_seqs"], max_batched_tokens=engine["max_num_batched_tokens"],
                        dispatch_latency_ms=dispatch_ms, prefix_cache=False, host_prefix_cache=False,
-                       admission=False)  # DemoRun submits past the gateway's HTTP admission: nothing is shed live
+                       admission=False,  # DemoRun submits past the gateway's HTTP admission: nothing is shed live
+                       # the world here is the live engine, which runs each request to max_tokens (ignore_eos) = its
+                       # true length: the simulated engine is timed by its fitted profile alone, and the control plane
+                       # knows the lengths as the live one does (`oracle` in the JSON says so)
+                       oracle=True)
     res = Simulator(config, reqs, lambda _spec: cost, params=params).run()
     done = [i for i in range(len(reqs)) if res.finish[i] >= 0 and not res.dropped[i]]
     ttft = [res.first_token[i] - res.arrival[i] for i in done]

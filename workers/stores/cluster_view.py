@@ -61,6 +61,7 @@ def node_view_from_status(
         kv_usage=status.kv_usage,
         slowdown=status.slowdown,
         max_seqs=status.max_seqs,
+        prefill_slowdown=status.prefill_slowdown if status.prefill_slowdown > 0 else None,
     )
 
 

@@ -284,7 +284,7 @@ class Gateway:
             return await self._admit(inp, span, allows)
 
     async def _admit(self, inp: ProfileInput, span: Any, allows: Callable[[str], bool] | None) -> RequestEvent:
-        if inp.max_tokens is None and inp.user_avg_out is None:
+        if inp.user_avg_out is None:  # a max_tokens is only a cap: the user's history is the better guess under it
             avg = await self.user_avg_out(inp.tenant, inp.user_id)
             if avg is not None:
                 inp = _replace(inp, user_avg_out=avg)

@@ -98,18 +98,22 @@ class WorkAware:
         cost = self.cost_of(v.name)
         hit = min(max(0, req.in_tokens - 1), cached_blocks * self.block_tokens)
         u = req.in_tokens - hit
-        s = max(1.0, v.slowdown) if p.use_slowdown else 1.0
+        if p.use_slowdown:  # the node's learned speed (observed over modelled), per operator class
+            s = min(20.0, max(0.2, v.slowdown))
+            sp = s if v.prefill_slowdown is None else min(20.0, max(0.2, v.prefill_slowdown))
+        else:
+            s = sp = 1.0
         d, k = v.decode_seqs, v.decode_tokens
         queued = v.prefill_tokens + u
         prefill = self.prefill_ms(cost, queued, d, k, hit)
-        ttft = s * prefill
+        ttft = sp * prefill
         total = ttft
         if p.e2e_weight and req.out_tokens > 1:
             total += p.e2e_weight * (req.out_tokens - 1) * s * cost.step_ms([], d + 1, k + req.in_tokens)
         behind = d + p.queue_weight * v.waiting
         if p.others_weight and behind and u:
             # the request's own share of that prefill: what its chunks add to the decoders' iterations
-            total += p.others_weight * behind * s * prefill * (u / queued)
+            total += p.others_weight * behind * sp * prefill * (u / queued)
         link = max(0.05, 1.0 - v.pcie_util_pct / 100.0)
         total /= link
         if p.kv_weight_ms and v.kv_capacity_kb > 0:
