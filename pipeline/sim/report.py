@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.sim.simulator import SimResult
@@ -69,7 +71,18 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
         "simulated_s": round(res.end_ms / 1000.0, 1),
         "events": res.events,
         "nodes": len(res.node_names),
+        "oracle": res.oracle,
+        "belief_error_median": (round(statistics.median(res.belief_error_tenth), 4)
+                                if res.belief_error_tenth else None),
+        "belief_error_median_end": round(statistics.median(res.belief_error_end), 4) if res.belief_error_end else None,
+        "expected_out_error_median": _expected_error(res),
     } | ({"control_plane": res.control_plane} if res.control_plane else {})
+
+
+def _expected_error(res: SimResult) -> float | None:
+    """Median over requests of |expected output / true output - 1| (0 with the oracle)."""
+    errs = [abs(e / t - 1.0) for e, t in zip(res.expected_out, res.out_tokens, strict=False) if e > 0 and t > 0]
+    return round(statistics.median(errs), 4) if errs else None
 
 
 def kv_util_peak(res: SimResult) -> float:
@@ -100,3 +113,67 @@ def latencies(res: SimResult) -> tuple[list[float], list[float]]:
     done = [i for i in range(len(res.arrival)) if res.finish[i] >= 0 and not res.dropped[i]]
     return ([res.finish[i] - res.arrival[i] for i in done],
             [res.first_token[i] - res.arrival[i] for i in done if res.first_token[i] >= 0])
+
+
+def completed_latencies(res: SimResult) -> list[tuple[float, float]]:
+    """(TTFT, TPOT) in ms of every request that completed (finished, not dropped), in request order. TPOT is the
+    time per output token after the first, (finish - first token) / (output tokens - 1), 0 for a 1-token output;
+    a completed request without a first-token time (none in practice) has TTFT and TPOT infinite, so it meets no
+    SLO."""
+    out: list[tuple[float, float]] = []
+    for i in range(len(res.arrival)):
+        if res.finish[i] < 0 or res.dropped[i]:
+            continue
+        if res.first_token[i] < 0:
+            out.append((math.inf, math.inf))
+            continue
+        n = res.out_tokens[i]
+        tpot = (res.finish[i] - res.first_token[i]) / (n - 1) if n > 1 else 0.0
+        out.append((res.first_token[i] - res.arrival[i], tpot))
+    return out
+
+
+def slo_met(lat: Sequence[tuple[float, float]], ttft_ms: float, tpot_ms: float) -> int:
+    """How many of `lat` ((TTFT, TPOT) pairs, see `completed_latencies`) have TTFT <= ttft_ms and TPOT <= tpot_ms."""
+    return sum(1 for t, p in lat if t <= ttft_ms and p <= tpot_ms)
+
+
+def request_work(res: SimResult, i: int) -> int:
+    """The work a request brings to the node it is routed to: its prompt tokens plus its output tokens."""
+    return res.in_tokens[i] + res.out_tokens[i]
+
+
+def rack_work_per_node(res: SimResult, rack_of_node: Mapping[str, str]) -> dict[str, float]:
+    """Per rack: the work (`request_work`) of every request routed to one of its nodes (by `res.node_of`, whether
+    it completed or not; a request never routed, e.g. shed, counts nowhere), over the rack's number of nodes
+    (`rack_of_node`'s nodes, those that received nothing or died included). Nodes missing from `rack_of_node`
+    are left out."""
+    nodes: dict[str, int] = defaultdict(int)
+    for rack in rack_of_node.values():
+        nodes[rack] += 1
+    work: dict[str, float] = dict.fromkeys(nodes, 0.0)
+    names = res.node_names
+    for i, k in enumerate(res.node_of):
+        if k < 0 or k >= len(names):
+            continue
+        owner = rack_of_node.get(names[k])
+        if owner is not None:
+            work[owner] += request_work(res, i)
+    return {r: work[r] / nodes[r] for r in sorted(nodes)}
+
+
+def rack_imbalance(res: SimResult, rack_of_node: Mapping[str, str]) -> float:
+    """The most loaded rack's work per node over the cluster's mean work per node (both as `rack_work_per_node`,
+    the cluster's mean over every node of `rack_of_node`): 1.0 when every rack's nodes received the same work on
+    average, 2.0 on two equal racks when one received all of it. 1.0 when no work was routed at all."""
+    per_node = rack_work_per_node(res, rack_of_node)
+    if not per_node:
+        return 1.0
+    counts: dict[str, int] = defaultdict(int)
+    for rack in rack_of_node.values():
+        counts[rack] += 1
+    total = sum(per_node[r] * counts[r] for r in per_node)
+    mean = total / sum(counts.values())
+    if mean <= 0:
+        return 1.0
+    return max(per_node.values()) / mean
