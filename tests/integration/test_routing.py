@@ -41,9 +41,10 @@ def user_on(rack: str, racks: list[str]) -> str:
 def cluster(clean_services, config_file, tmp_path):  # type: ignore[no-untyped-def]
     override = dict(harness.SMALL_CLUSTER)
     # a generous rack load slack: these tests are about node choice and decisions, not the rack walk (a burst of
-    # one user's requests read in one router batch would otherwise walk to the other rack by bounded load)
+    # one user's requests read in one router batch would otherwise walk to the other rack by bounded load, and a
+    # burst of one heavy user would be walked off its rack by the share guard)
     override["policies"] = {"streams": {"claim_idle_ms": 1500}, "node_selection": {"stale_ms": 1000},
-                            "router": {"load_slack": 50.0, "affinity_tokens": 1e6}}
+                            "router": {"load_slack": 50.0, "affinity_tokens": 1e6, "share_bound": 0.0}}
     path = config_file(override)
     config = harness.small_config(path)
     procs = ClusterProcesses(config, clean_services.redis_url, clean_services.etcd_url, tmp_path / "logs",

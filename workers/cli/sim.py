@@ -77,12 +77,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
         out_dir = Path(args.out or "report/sim-compare")
         out_dir.mkdir(parents=True, exist_ok=True)
         plot_compare(results, out_dir / "compare.png", f"{len(reqs)} requests")
-        rows["oracle"] = bool(args.oracle)
         (out_dir / "compare.json").write_text(json.dumps(rows, indent=2, sort_keys=True))
         if args.json:
             print(json.dumps(rows, sort_keys=True))
         else:
-            print(format_table({k: v for k, v in rows.items() if isinstance(v, dict)}))
+            print(format_table(rows))
             print(f"oracle: {'on' if args.oracle else 'off'}; plots: {out_dir / 'compare.png'}")
         return 0
     from workers.sim.experiments import run_experiment
