@@ -57,6 +57,11 @@ class Fault:
     duration_ms: float = 0.0
     factor: float = 1.0
 
+    def __reduce__(self) -> tuple[type[Fault], tuple[float, str, str, float, float]]:
+        # by its fields: the compiled simulator's frozen slots class has no __setstate__ that pickle can use (the
+        # matrix sends its faults to worker processes)
+        return (Fault, (self.at_ms, self.node, self.kind, self.duration_ms, self.factor))
+
 
 @dataclass(frozen=True, slots=True)
 class SimParams:
@@ -85,6 +90,11 @@ class SimParams:
     world: WorldSpec = field(default_factory=WorldSpec)
     """What the control plane cannot see (`pipeline.sim.world`): the clients' max_tokens, each node's hidden speed;
     unused with `oracle`."""
+    inflight_views: bool = True
+    """Batches dispatched to a node and not received yet count in its view (memory, waiting requests, queued prompt
+    tokens), as the live batcher's ReservationLedger keeps them until the node's status shows them admitted; False:
+    the view shows only what the node has (the simulator before this, which let two closes inside one dispatch
+    latency both see the same free node)."""
     oracle: bool = False
     """True: the control plane is handed what no live one has (each request's true output length as its expected
     output and in its memory estimate; each node's exact speed, the world cost model equal to its belief). False
@@ -217,6 +227,9 @@ class Simulator:
             else:
                 batcher = WindowBatcher(pol.batcher, policies, caps, models)
             self.racks[rack.name] = _Rack(rack.name, idx, batcher, policies)
+        self._inflight: list[list[float]] = [[0.0, 0.0, 0.0] for _ in self.nodes]
+        """Per node: the memory, requests and prompt tokens of batches dispatched to it that it has not received yet
+        (what the live batcher's ReservationLedger adds to the node's view until its status shows them admitted)."""
         self._views: list[NodeView | None] = [None] * len(self.nodes)
         """Per node: its view as the batcher last read it, dropped wherever the node changes (an iteration scheduled or
         finished, a batch submitted, a drain, a recovery); a view depends only on the node's state, so a close
@@ -348,15 +361,17 @@ class Simulator:
                     raise AssertionError(f"{v.name}: stale cached view {v} != {fresh}")
             return v
         n = self.nodes[i]
+        fl = self._inflight[i]
+        f_mem, f_n, f_tok = max(0.0, fl[0]), max(0, int(fl[1])), max(0, int(fl[2]))
         v = self._views[i] = NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
-            max(0.0, n.mem_cap_kb - n.mem_est_used), n.running, len(n.waiting),
-            prefill_tokens=n.prefill_backlog, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
+            max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
+            prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=n.slowdown, max_seqs=n.max_num_seqs,
         ) if self.oracle else NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
-            max(0.0, n.mem_cap_kb - n.mem_est_used), n.running, len(n.waiting),
-            prefill_tokens=n.prefill_backlog, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
+            max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
+            prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=self.beliefs[i].decode, max_seqs=n.max_num_seqs,
             prefill_slowdown=self.beliefs[i].prefill,
         )
@@ -543,23 +558,42 @@ class Simulator:
                 prefix = tr.prefix_hashes if p.request.prefix_cache else ()
                 prompt, remaining = self.requeued.pop(rid, (tr.in_tokens, tr.out_tokens))
                 seqs.append(SimSeq(rid, prompt, remaining, self.mem_est[rid], prefix))
+            # in flight until the worker has it: the live batcher's ReservationLedger keeps it in the node's view
+            # (memory reserved, requests waiting, prompts queued) until the node's status shows it admitted
             cp = self._cp
             if cp is None:
-                self._push(now + self.params.dispatch_latency_ms, BATCH, (i, seqs))
+                self._send(now + self.params.dispatch_latency_ms, i, seqs)
                 continue
             # the batcher has read its requests (one read each), XADDs the batch, the worker reads it
             t = self._st_spread.serve(now, len(seqs) * cp.read_ms + cp.xadd_ms + cp.read_ms)
             if rack.ready_at > t:
                 t = rack.ready_at
-            self._push(t + self.params.dispatch_latency_ms, BATCH, (i, seqs))
+            self._send(t + self.params.dispatch_latency_ms, i, seqs)
         if b.pending_count and b.window_open_ms is not None:
             due = b.window_open_ms + self.config.policies.batcher.window_ms
             if rack.timer_at is None or rack.timer_at > due or rack.timer_at <= now:
                 rack.timer_at = due
                 self._push(due, WINDOW, rack.name)
 
+    def _send(self, at: float, i: int, seqs: list[SimSeq]) -> None:
+        """Sequences on their way to node `i`, arriving at `at`: in flight until then (`inflight_views`), as the
+        live batcher's ReservationLedger keeps a dispatched batch in the node's view until its status shows it."""
+        if self.params.inflight_views:
+            fl = self._inflight[i]
+            fl[0] += sum(q.mem_est_kb for q in seqs)
+            fl[1] += len(seqs)
+            fl[2] += sum(q.prompt for q in seqs)
+            self._views[i] = None
+        self._push(at, BATCH, (i, seqs))
+
     def _batch_arrives(self, i: int, seqs: list[SimSeq], now: float) -> None:
         node = self.nodes[i]
+        if self.params.inflight_views:
+            fl = self._inflight[i]
+            fl[0] -= sum(q.mem_est_kb for q in seqs)
+            fl[1] -= len(seqs)
+            fl[2] -= sum(q.prompt for q in seqs)
+            self._views[i] = None
         if not node.alive:  # it died while the batch was in flight: fail over like its other sequences
             self._migrate(i, seqs, now)
             return
@@ -666,7 +700,7 @@ class Simulator:
                 self._rack_load(self.racks[self.nodes[dst].rack], +1)
             cp = self._cp
             if cp is None:
-                self._push(now + self.params.migration_latency_ms, BATCH, (dst, [s]))
+                self._send(now + self.params.migration_latency_ms, dst, [s])
                 continue
             # the ownership compare-and-swap on etcd, then the sequence's KV over the source node's link
             t = self._st_etcd.serve(now, cp.etcd_txn_ms)
@@ -674,7 +708,7 @@ class Simulator:
             if link is None:
                 link = self._links[src] = Station(1)
             kv = s.prompt * self.config.models[self.reqs[s.rid].model or self.default_model].kv_bytes_per_token
-            self._push(link.serve(t, kv / (cp.node_link_gbps * 1e6)), BATCH, (dst, [s]))
+            self._send(link.serve(t, kv / (cp.node_link_gbps * 1e6)), dst, [s])
 
     def _fault(self, f: Fault, now: float) -> None:
         i = self.node_index.get(f.node)

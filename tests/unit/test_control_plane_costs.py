@@ -125,12 +125,13 @@ BEFORE = "613f1534422b80c2095c3183bca28abbe9dc37dbadb83ddc0aaefb848a178e14"
 
 
 def test_costs_off_is_the_simulator_as_before() -> None:
-    # the rack share guard (router.share_bound) came later and changes routing on purpose: off here, as then
+    # the rack share guard (router.share_bound) and the in-flight batches in the node views (inflight_views) came
+    # later and change decisions on purpose: off here, as then
     raw = raw_config(DEFAULT_CONFIG_DIR)
     raw["cluster"] = _cfg().model_dump(mode="json")["cluster"]
     raw["policies"]["router"]["share_bound"] = 0.0
     cfg = parse_config(raw)
-    res = Simulator(cfg, _reqs(1500, 20.0), _cost(cfg), params=SimParams(oracle=True),
+    res = Simulator(cfg, _reqs(1500, 20.0), _cost(cfg), params=SimParams(oracle=True, inflight_views=False),
                     faults=[Fault(20_000.0, "r0-n1", "death")]).run()
     h = hashlib.sha256(repr((res.first_token, res.finish, res.node_of, res.dropped, res.migrations,
                              res.events)).encode()).hexdigest()
