@@ -7,6 +7,7 @@ iteration time over the cost model's for the same iterations) and host-link use 
 
     u     = in - (leading prefix blocks of r cached on i) x block_tokens       prompt tokens r would prefill there
     TTFT  = s x [ prefill(Q + u  in chunks of B - D tokens, each chunk iteration also decoding D sequences) ]
+            + slot_weight x (expected wait for a sequence slot where the engine runs its most: slot_wait_ms)
     TPOT  = s x decode_step(D + 1 sequences, K + in KV tokens)
     cost  = (TTFT + e2e_weight x (out - 1) x TPOT + others_weight x D x s x prefill(u)) / (1 - pcie/100)
             + kv_weight_ms x max(0, kv_after - kv_soft_limit) / (1 - kv_soft_limit)
@@ -107,6 +108,8 @@ class WorkAware:
         queued = v.prefill_tokens + u
         prefill = self.prefill_ms(cost, queued, d, k, hit)
         ttft = sp * prefill
+        if p.slot_weight:
+            ttft += p.slot_weight * self.slot_wait_ms(v, req, s)
         total = ttft
         if p.e2e_weight and req.out_tokens > 1:
             total += p.e2e_weight * (req.out_tokens - 1) * s * cost.step_ms([], d + 1, k + req.in_tokens)
@@ -178,6 +181,23 @@ class WorkAware:
         if best in room or not room:
             return False
         return min(costs[n] for n in room) - costs[best] > self.p.wait_margin_ms
+
+    def slot_wait_ms(self, v: NodeView, req: RequestEvent, s: float) -> float:
+        """The expected wait for a sequence slot on node `v` before the request can start there, where its engine
+        already runs its most sequences (`max_seqs`, vLLM's max_num_seqs) with `ahead` = running + waiting - max_seqs
+        + 1 sequences to end first: the D decoding sequences' remaining lengths are unknown; taken as uniform over the
+        expected output length (the request's own, from the same users' history and caps), the k-th of them ends
+        after k x out / (D + 1) decode steps of D sequences. Without it a node with a cached prefix won however full
+        its slots were: on two vLLM engines with 4 slots, a request queued 300 ms behind 4 sequences to save a 70 ms
+        prefill on the other node (the worst TTFT of that run)."""
+        if v.max_seqs <= 0:
+            return 0.0
+        ahead = v.running + v.waiting - v.max_seqs + 1
+        if ahead <= 0:
+            return 0.0
+        d = max(1, v.decode_seqs or v.running)
+        step = s * self.cost_of(v.name).step_ms([], d, v.decode_tokens)
+        return ahead * step * max(1, req.out_tokens) / (d + 1)
 
     def observe(self, node: str, req: RequestEvent) -> None:
         if self.approx is not None and req.prefix_hashes and req.prefix_cache:
