@@ -50,6 +50,10 @@ class GpuSpec(_Strict):
     """NVLink bandwidth per GPU, GB/s (0: none)."""
     price_per_hour: float = Field(default=0, ge=0, le=1_000)
     """Price of one GPU-hour in USD (cost comparisons only)."""
+    step_profile: str | None = None
+    """A measured step profile of the engines on this GPU type (the JSON `python -m workers.engines.vllm_profile -o
+    PATH` writes; its linear `fit`): the control plane prices nodes of this type with it instead of the calibrated
+    model, for an engine the committed calibration does not cover (vLLM's CPU build). None: the calibrated model."""
 
 
 class TokenRates(_Strict):
@@ -294,6 +298,10 @@ class WorkAwareParams(_Strict):
     queue_weight: float = Field(default=0.0, ge=0, le=100)
     """Requests waiting in the node's engine count this much each next to its decoding ones in that term: under
     overload they stand for the work queued behind the request, and recomputing a prefix there delays them all."""
+    slot_weight: float = Field(default=1.0, ge=0, le=100)
+    """Weight of the expected wait for a sequence slot on a node whose engine already runs its most sequences
+    (WorkAware.slot_wait_ms) in its time to first token; 0: a full node is priced as if it started the request
+    now."""
     kv_soft_limit: float = Field(default=0.9, ge=0, lt=1)
     """KV use (reserved + this request, over capacity) above which a node is priced up for memory pressure."""
     kv_weight_ms: float = Field(default=2000.0, ge=0, le=1e9)

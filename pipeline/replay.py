@@ -115,7 +115,15 @@ def policy_context(config: RackflowConfig, rack: str, blocks: BlockIndex | None,
     from pipeline.costmodel import CalibratedCostModel
 
     nodes = config.cluster.racks[config.rack_names().index(rack)].expanded()
-    make = cost_of or (lambda n: CalibratedCostModel.for_node(config, n))
+    from pipeline.costmodel.linear import LinearStepCost
+
+    def default(n: NodeSpec) -> StepTime:
+        profile = config.gpus[n.gpu].step_profile
+        if profile:
+            return LinearStepCost.from_profile(profile)
+        return CalibratedCostModel.for_node(config, n)
+
+    make = cost_of or default
     costs = {n.name: make(n) for n in nodes}
     bt = config.policies.profiling.prefix_block_tokens
     kv_tokens = min(config.node_kv_capacity_kb(n.name) * 1000 // config.models[n.models[0]].kv_bytes_per_token
