@@ -70,7 +70,8 @@ class RequestEvent:
     """The admitting gateway's reply stream (`rf:gw:{ID}:out`): its tokens and result are delivered there too, so
     that one reader per gateway serves every open request. Empty: the per-request stream `rf:out:{id}` only."""
     sim_out_tokens: int = 0
-    """For the `sim` engine alone: the request's true output length (a trace's), where it stops with
+    """For an engine replaying a trace alone (`sim`; `vllm`, whose random-weight test models have no natural end):
+    the request's true output length (a trace's), where it stops with
     `finish_reason: "stop"`, as a real model stops at its end-of-sequence token. Profiling, routing and batching
     never read it (they see `out_tokens`, the expected length). 0: it runs to max_tokens."""
 

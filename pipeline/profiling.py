@@ -67,7 +67,9 @@ class ProfileInput:
     prefix_hashes: tuple[int, ...] | None = None
     """Given by a trace (Mooncake `hash_ids`); else derived from the prompt."""
     sim_out_tokens: int = 0
-    """A trace's true output length, for the `sim` engine alone (RequestEvent.sim_out_tokens); never profiled."""
+    """A replayed trace's true output length (RequestEvent.sim_out_tokens): the engine that serves it (`sim`, or
+    `vllm`, whose random-weight models have no natural end) stops there; never profiled, never read by the control
+    plane."""
 
 
 def profile_request(
@@ -82,7 +84,12 @@ def profile_request(
     else:
         in_tokens = estimate_tokens(inp.prompt, rates)
     out_tokens = expected_out_tokens(model, inp.max_tokens, inp.user_avg_out)
-    max_tokens = inp.max_tokens if inp.max_tokens is not None else out_tokens
+    if inp.max_tokens is not None:
+        max_tokens = inp.max_tokens
+    elif inp.sim_out_tokens > 0:  # a replayed trace's answer has its own end: unset means the context's room
+        max_tokens = max(1, model.context - in_tokens, inp.sim_out_tokens)
+    else:
+        max_tokens = out_tokens
     if inp.prefix_hashes is not None:
         hashes = inp.prefix_hashes
     elif inp.token_ids is not None:

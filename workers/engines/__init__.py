@@ -51,7 +51,8 @@ def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callabl
         vc = config.policies.worker.vllm
         if not vc.model:
             raise ValueError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
-        return VllmEngine(vc, now_ms, tensor_parallel_size=vc.tensor_parallel_size or config.node(node).tp)
+        return VllmEngine(vc, now_ms, tensor_parallel_size=vc.tensor_parallel_size or config.node(node).tp,
+                          prefix_block_tokens=config.policies.profiling.prefix_block_tokens)
     raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
 
 

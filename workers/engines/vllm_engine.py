@@ -53,6 +53,8 @@ class _Live:
     start_ms: float = 0.0
     first_token_ms: float = 0.0
     task: asyncio.Task[None] | None = None
+    stop_at: int = 0
+    """A trace replay's true length where it is below max_tokens (the sequence then ends with "stop"); 0: none."""
 
 
 @dataclass(slots=True)
@@ -129,6 +131,7 @@ class VllmEngine:
         *,
         tensor_parallel_size: int = 1,
         model: str | None = None,
+        prefix_block_tokens: int = 512,
     ) -> None:
         try:
             import vllm  # noqa: F401
@@ -139,6 +142,7 @@ class VllmEngine:
             ) from e
         self.config = config
         self.model = model or config.model
+        self.prefix_block_tokens = max(1, prefix_block_tokens)
         if not self.model:
             raise EngineError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
         self.now_ms = now_ms
@@ -235,13 +239,23 @@ class VllmEngine:
     # -- intake ------------------------------------------------------------------------------------------------
     def prompt_ids(self, req: RequestEvent) -> list[int]:
         """The prompt's token ids: the tokenizer's for a text prompt (chat messages come rendered by the gateway);
-        trace-driven requests carry only a length, and get deterministic filler ids of that length."""
+        trace-driven requests carry only a length, and get deterministic filler ids of that length. Where such a
+        request carries prefix hashes (a Mooncake trace's hash_ids, one per `prefix_block_tokens` tokens), block k of
+        its prompt is ids drawn from hash k alone, so two requests that share the first k hashes share the first k
+        blocks' token ids, and vLLM's prefix cache hits them as the trace says; the tail past the hashed blocks is
+        the request's own filler."""
         if req.prompt:
             return list(self.tokenizer.encode(req.prompt, add_special_tokens=False))
         vocab = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else 1000
-        seed = uuid.UUID(req.request_id).int if len(req.request_id) == 36 else abs(hash(req.request_id))
         specials = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
-        ids = [(seed + 7919 * i) % vocab for i in range(max(1, req.in_tokens))]
+        n = max(1, req.in_tokens)
+        bt = self.prefix_block_tokens
+        ids: list[int] = []
+        for h in req.prefix_hashes[: n // bt]:
+            seed = int(h) & 0xFFFFFFFFFFFF
+            ids.extend((seed * 2654435761 + 7919 * i) % vocab for i in range(bt))
+        seed = uuid.UUID(req.request_id).int if len(req.request_id) == 36 else abs(hash(req.request_id))
+        ids.extend((seed + 7919 * i) % vocab for i in range(n - len(ids)))
         return [i if i not in specials else (i + 1) % vocab for i in ids]
 
     def submit(self, req: RequestEvent) -> None:
@@ -259,9 +273,14 @@ class VllmEngine:
         vrid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         live = _Live(req, prompt_ids, vrid, list(generated), start_ms=self.now_ms())
         self.live[req.request_id] = live
+        # a trace replayed on the engine (random weights have no natural end): the answer stops at the trace's true
+        # length (`sim_out_tokens`) where that is below the client's max_tokens, with finish_reason "stop", as the sim
+        # engine does; the control plane never sees it
+        stop_at = min(req.max_tokens, req.sim_out_tokens) if req.sim_out_tokens > 0 else req.max_tokens
+        live.stop_at = stop_at if stop_at < req.max_tokens else 0
         params = SamplingParams(
-            max_tokens=max(1, req.max_tokens - len(generated)), temperature=0.0,
-            ignore_eos=self.config.ignore_eos, output_kind=RequestOutputKind.DELTA,
+            max_tokens=max(1, stop_at - len(generated)), temperature=0.0,
+            ignore_eos=self.config.ignore_eos or live.stop_at > 0, output_kind=RequestOutputKind.DELTA,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + list(generated)}
         if not req.prefix_cache:
@@ -309,8 +328,9 @@ class VllmEngine:
                 del self.live[rid]
                 if reason.startswith("error"):
                     log.error("vllm request %s ended: %s", rid, reason)
+                stopped = reason == "stop" or (live.stop_at > 0 and len(live.generated) >= live.stop_at)
                 finished.append(SeqFinished(rid, len(live.generated), live.start_ms, live.first_token_ms, now,
-                                            "stop" if reason == "stop" else "length"))
+                                            "stop" if stopped else "length"))
         self.steps += 1
         self.tokens += len(tokens)
         return StepOutput(tuple(tokens), tuple(finished), (time.perf_counter() - t0) * 1000.0)

@@ -72,6 +72,13 @@ class DemoRun:
     """What the clients send as max_tokens (`pipeline.sim.world.ClientModel`): each request then carries its true
     length only in `sim_out_tokens`, for the sim engine alone, and the control plane sees the drawn cap (or none).
     None: max_tokens is the trace's true length (an engine that runs to max_tokens, vLLM with ignore_eos)."""
+    caps: list[int | None] | None = None
+    """Per row, the max_tokens its client sends (None: unset), drawn once outside so that several runs (and the
+    simulator) send the same; with it, every request carries its true length in `sim_out_tokens`. Wins over
+    `client`."""
+    route_policy: str = ""
+    """The node-selection policy every request of the run asks for (ProfileInput.route_policy); empty: the
+    config's."""
     submitted: dict[str, float] = field(default_factory=dict)
     results: dict[str, ResultEvent] = field(default_factory=dict)
     result_counts: Counter[str] = field(default_factory=Counter)
@@ -84,7 +91,9 @@ class DemoRun:
         rng = random.Random(self.seed)
         users = [row.user_id or u for row, u in zip(rows, zipf_users(500, 1.1, rng, len(rows)), strict=True)]
         crng = random.Random(self.seed + 7)
-        caps = [self.client.draw(row.out_tokens, crng) if self.client is not None else row.out_tokens for row in rows]
+        hidden = self.client is not None or self.caps is not None
+        caps = (list(self.caps) if self.caps is not None else
+                [self.client.draw(row.out_tokens, crng) if self.client is not None else row.out_tokens for row in rows])
         r = connect(self.redis_url)
         gateway = Gateway(self.config, r)
         try:
@@ -108,8 +117,8 @@ class DemoRun:
                 due.append(ProfileInput(
                     request_id=str(uuid.uuid4()), tenant="demo", user_id=users[i], model=self.model,
                     arrival_ms=WALL.now_ms(), prompt_tokens=row.in_tokens, max_tokens=caps[i],
-                    prefix_hashes=row.prefix_hashes or None,
-                    sim_out_tokens=row.out_tokens if self.client is not None else 0,
+                    prefix_hashes=row.prefix_hashes or None, route_policy=self.route_policy,
+                    sim_out_tokens=row.out_tokens if hidden else 0,
                 ))
                 i += 1
             if due:
