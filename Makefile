@@ -7,7 +7,7 @@ PIP    := $(VENV)/bin/pip
 RF     := $(VENV)/bin/rackflow
 STAMP  := $(VENV)/.installed
 
-.PHONY: run sim-compiled test test-all test-vllm test-parity test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
+.PHONY: run sim-compiled test test-all test-vllm test-decisions-vllm test-parity test-fast chaos test-cluster test-hardening lint bench services-up services-down clean
 
 FLOORS := deploy/security/advisory-floors.txt
 
@@ -81,6 +81,12 @@ $(TINY)/rackflow-tiny.json: $(VSTAMP) workers/engines/checkpoint.py
 test-vllm: $(VSTAMP) $(TINY)/rackflow-tiny.json
 	$(VPY) -m pytest -q -m vllm tests/vllm
 
+# node choice on real engines: two vLLM CPU workers (prefix caching on) behind the whole pipeline serve a multi-turn
+# trace once per policy (the default, round robin, an anchor), against the oracle-free simulator's prediction
+# (workers/sim/live_decisions.py; about 8 minutes)
+test-decisions-vllm: $(VSTAMP) $(TINY)/rackflow-tiny.json
+	$(VPY) -m pytest -q -rs -s -m decisions_vllm tests/vllm
+
 # the simulator's hot modules compiled with mypyc (workers/sim/compiled.py): `rackflow sim` uses them while they match
 # pipeline/, else the pure-Python ones (same results); without a C compiler the build says so and make goes on
 SIMC := .cache/sim-compiled/SOURCE
@@ -95,7 +101,7 @@ run: $(STAMP)
 # the suite without the `long` tests (a minute of sustained overload, a 10 s Valkey outage): those run in
 # test-hardening and test-all
 test: $(STAMP) $(SIMC)
-	$(PY) -m pytest -q -m "not long and not parity and not vllm and not vidur" tests
+	$(PY) -m pytest -q -m "not long and not parity and not vllm and not vidur and not decisions_vllm" tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -1,0 +1,327 @@
+"""Decisions on real engines (issue 23): the same prefix-heavy trace through the live pipeline on two vLLM CPU
+workers (prefix caching on) once per node-selection policy, and through the oracle-free simulator of the same setup,
+so that the ranking the simulator predicts can be checked against the one the engines give.
+
+What `live_decisions` does, in order (every step real; nothing is read from an earlier run):
+1. starts embedded Valkey and etcd and one rack of `nodes` `vllm` workers serving the tiny random-weight Qwen2
+   (`.venv-vllm`, `.cache/tiny-qwen2-vllm`), with the gateway, router, batcher and monitor roles, as `rackflow up
+   --engine vllm` does; vLLM's automatic prefix caching is on (its default here);
+2. profiles the engine's step times while the cluster idles and fits the linear step cost to them
+   (`workers.engines.vllm_profile`, as `rackflow sim validate` does): the simulator's only input from the engine;
+3. takes the first `requests` turns of the multi-turn trace (`data/traces/synthetic/multiturn.jsonl`: Mooncake
+   JSONL with users and 512-token prefix blocks; each turn's prompt holds the conversation so far), prompts cut to
+   `MAX_BLOCKS` blocks and answers to `MAX_OUT` tokens, arrivals scaled so that the simulated cluster runs at `load`
+   of its capacity. The client model (`pipeline.sim.world.ClientModel`) draws once what each client sends as
+   max_tokens (unset for some); the answers' true lengths reach the engines alone (`sim_out_tokens`: vLLM stops
+   there, as it would at a real model's end of sequence);
+4. replays that trace through the live cluster once per policy, with the same arrivals, users and caps, each run's
+   prefix blocks salted (the blocks of a run share token ids with each other, never with another run's: no run
+   finds the previous run's prefixes in the engines' caches);
+5. simulates the same requests per policy with the control plane oracle-free (the caps, the users' history, the
+   learned speed of each node), the engine timed by the fitted profile, vLLM's scheduler limits, its prefix cache,
+   and as dispatch latency the pipeline hops measured in the live runs;
+6. reports per policy the live and the simulated P50/P99 TTFT and end-to-end latency, the two rankings on P99 TTFT,
+   and each policy's margin over round robin, measured and predicted, side by side.
+
+What the simulator does not model here, and so where its absolute figures part from the live ones: the two vLLM
+engines share this machine's cores with each other and with the roles (their steps slow each other), and the live
+control plane prices nodes with the config's cost model of the node's GPU (the CPU engine's speed is not that), the
+simulated one with the fitted profile; both are the same for every node, so they scale the figures, not the choice
+between two identical nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.sim.simulator import SimParams, Simulator
+from pipeline.sim.traces import TraceRequest, parse_mooncake, scale_rate
+from pipeline.sim.world import ClientModel, WorldSpec
+from pipeline.stats import percentile
+from workers.engines.vllm_profile import LinearStepCost, isolate_engines, restore_affinity
+from workers.sim.harness import REPO
+from workers.sim.live_check import TINY, _all_cpus, overlay
+
+TRACE = REPO / "data" / "traces" / "synthetic" / "multiturn.jsonl"
+BLOCK = 512
+MAX_BLOCKS = 8
+"""Prompts cut to 8 prefix blocks (4,096 tokens): a prefill the tiny model's CPU engine takes about 120 ms for (two
+chunks of vLLM's 2,048-token step budget), so that a prefix hit is worth more than a queue's wait."""
+MAX_OUT = 48
+ANCHOR = "kv_aware"
+"""The anchor policy: prefix-cache-aware routing as llm-d's prefix scorer and vLLM-router's cache_aware do
+(`pipeline.routing.policies`)."""
+NEUTRAL = WorldSpec(client=ClientModel(unset_frac=1.0), prefill_sigma=0.0, decode_sigma=0.0, noise_sigma=0.0,
+                    stall_prob=0.0, slow_node_frac=0.0)
+"""The simulator's world for a prediction of the live run: the engines are the fitted profile itself (the live
+engines are the world), and every client's cap is the one drawn once for both (a request without one stays
+without: unset_frac 1 is never drawn from, the caps come with the requests)."""
+
+
+KV_BLOCKS = 400
+"""vLLM KV blocks per engine (its num_gpu_blocks_override; 128 tokens each on the CPU build): 51,200 tokens, room
+for a dozen of the trace's conversations at a time, so that the cache binds as a GPU's does under a real model's KV
+(a tiny model's KV in vLLM's 1 GiB CPU minimum would hold the whole trace many times over)."""
+MAX_SEQS = 16
+"""vLLM's max_num_seqs: enough slots that the bursts of the trace queue in prefill, where node choice matters, more
+than for a slot, where it does not (with 4, every policy's P99 TTFT was the same burst waiting for slots)."""
+VLLM_BLOCK = 128
+GPU = "cpu-engine"
+
+
+def decision_overlay(ckpt: Path, nodes: int, kv_blocks: int = KV_BLOCKS, max_seqs: int = MAX_SEQS) -> dict[str, Any]:
+    """`live_check.overlay` with the engines' KV cache cut to `kv_blocks` blocks, on a GPU entry whose memory holds
+    exactly that KV besides the weights: the batcher's budget and the simulator's prefix cache are the engines'."""
+    from workers.engines.checkpoint import model_spec
+
+    over = overlay(ckpt, nodes)
+    spec = model_spec(ckpt)
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2}.get(str(spec["dtype"]), 4)
+    kv_per_token = 2 * spec["layers"] * spec["kv_heads"] * (spec["hidden"] // spec["heads"]) * elem
+    params = (spec["vocab"] * spec["hidden"] * 2 + spec["layers"] * (
+        4 * spec["hidden"] ** 2 + 3 * spec["hidden"] * spec["intermediate"]))
+    kv_bytes = kv_blocks * VLLM_BLOCK * kv_per_token
+    frac = 0.9  # policies.batcher.mem_budget_fraction's default
+    over["gpus"] = {GPU: {"arch": "hopper", "memory_gb": (kv_bytes + params * elem) / 1e9 / frac,
+                          "bf16_tflops": 989, "hbm_tbps": 3.35}}
+    for r in over["cluster"]["racks"]:
+        r["node"]["gpu"] = GPU
+    vl = over["policies"]["worker"]["vllm"]
+    vl["max_model_len"] = 4096
+    vl["max_num_seqs"] = max_seqs
+    vl["extra_engine_args"] = {"num_gpu_blocks_override": kv_blocks}
+    return over
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        print(f"decisions (vLLM): {msg}", file=sys.stderr, flush=True)
+
+
+def trace_slice(requests: int, seed: int = 0) -> list[TraceRequest]:
+    """The first `requests` turns, cut to MAX_BLOCKS blocks and MAX_OUT tokens, each with its client's max_tokens."""
+    with open(TRACE, encoding="utf-8") as fh:
+        rows = list(parse_mooncake(fh, requests))
+    rng = random.Random(seed * 7919 + 23)
+    client = ClientModel()
+    out = []
+    for r in rows:
+        n_in = max(1, min(r.in_tokens, MAX_BLOCKS * BLOCK))
+        n_out = max(1, min(r.out_tokens, MAX_OUT))
+        out.append(replace(r, in_tokens=n_in, out_tokens=n_out, prefix_hashes=tuple(r.prefix_hashes[: n_in // BLOCK]),
+                           max_tokens=client.draw(n_out, rng)))
+    return out
+
+
+def salted(rows: list[TraceRequest], salt: str) -> list[TraceRequest]:
+    """The same rows with every prefix block id mapped through a keyed hash: equal ids stay equal within the run,
+    and no id equals one of another salt's."""
+    def h(x: int) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{salt}:{x}".encode(), digest_size=6).digest(), "big")
+
+    return [replace(r, prefix_hashes=tuple(h(x) for x in r.prefix_hashes)) for r in rows]
+
+
+def _with_policy(config: Any, policy: str) -> Any:
+    pol = config.policies
+    return config.model_copy(update={"policies": pol.model_copy(update={
+        "node_selection": pol.node_selection.model_copy(update={"policy": policy})})})
+
+
+def simulate(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine: dict[str, Any], policy: str,
+             dispatch_ms: float) -> dict[str, Any]:
+    params = SimParams(max_num_seqs=engine["max_num_seqs"], max_batched_tokens=engine["max_num_batched_tokens"],
+                       dispatch_latency_ms=dispatch_ms, prefix_cache=True, host_prefix_cache=False,
+                       admission=False,  # DemoRun submits past the gateway's HTTP admission: nothing is shed live
+                       oracle=False, world=NEUTRAL)
+    res = Simulator(_with_policy(config, policy), reqs, lambda _spec: cost, params=params).run()
+    done = [i for i in range(len(reqs)) if res.finish[i] >= 0 and not res.dropped[i]]
+    ttft = [res.first_token[i] - res.arrival[i] for i in done]
+    e2e = [res.finish[i] - res.arrival[i] for i in done]
+    per_node: dict[str, int] = {}
+    for i in done:
+        name = res.node_names[res.node_of[i]]
+        per_node[name] = per_node.get(name, 0) + 1
+    return {"completed": len(done), "dropped": sum(res.dropped), "ttft": ttft, "e2e": e2e,
+            "prefix_hit_rate": round(res.cached_tokens / res.prompt_tokens, 4) if res.prompt_tokens else 0.0,
+            "per_node": per_node}
+
+
+def at_load(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine: dict[str, Any], policy: str,
+            load: float) -> list[TraceRequest]:
+    """The requests with arrivals scaled so that serving them takes `load` of the span (the simulated cluster, under
+    the default policy, serves the whole trace sent at once in span x load)."""
+    span = max(1.0, max(r.arrival_ms for r in reqs))
+    flood = list(scale_rate(reqs, span / 1.0))
+    res = Simulator(_with_policy(config, policy), flood, lambda _spec: cost,
+                    params=SimParams(max_num_seqs=engine["max_num_seqs"],
+                                     max_batched_tokens=engine["max_num_batched_tokens"], prefix_cache=True,
+                                     host_prefix_cache=False, admission=False, oracle=False, world=NEUTRAL)).run()
+    serve_ms = max(res.finish) - min(res.arrival)
+    return list(scale_rate(reqs, span / max(1.0, serve_ms / load)))
+
+
+def _figures(ttft: list[float], e2e: list[float]) -> dict[str, float]:
+    return {"ttft_p50_ms": round(percentile(ttft, 50), 1), "ttft_p99_ms": round(percentile(ttft, 99), 1),
+            "e2e_p50_ms": round(percentile(e2e, 50), 1), "e2e_p99_ms": round(percentile(e2e, 99), 1)}
+
+
+def _ranking(rows: dict[str, dict[str, float]]) -> list[str]:
+    return sorted(rows, key=lambda p: rows[p]["ttft_p99_ms"])
+
+
+def live_decisions(policies: list[str] | None = None, requests: int = 300, load: float = 0.5, nodes: int = 2,
+                   progress: bool = True, keep_dir: Path | None = None, seed: int = 0,
+                   kv_blocks: int = KV_BLOCKS) -> dict[str, Any]:
+    from pipeline.config import parse_config, raw_config
+    from workers.local.demo import DemoRun
+    from workers.local.launcher import ClusterProcesses, vllm_python, wait_cluster_ready
+    from workers.local.services import EmbeddedServices
+
+    t_all = time.perf_counter()
+    vpy = vllm_python()
+    work = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="rackflow-live-decisions-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if not (TINY / "config.json").exists():
+        _log(f"writing the tiny checkpoint to {TINY}", progress)
+        subprocess.run([vpy, "-m", "workers.engines.checkpoint", str(TINY)], check=True, cwd=REPO,
+                       stdout=subprocess.DEVNULL)
+    # 1. the engine's step profile, measured first (one engine alone, as it has its cores in the run): the
+    # control plane of the live run prices its nodes with it (GpuSpec.step_profile), the simulator runs its engines
+    # on it, so both control planes know the engines' speed as an operator who profiled them does
+    over = decision_overlay(TINY, nodes, kv_blocks)
+    over["policies"]["seed"] = seed
+    prof_cfg = work / "profile-cluster.yaml"
+    prof_cfg.write_text(yaml.safe_dump(over))
+    _log("profiling the engine's step times (vLLM's interpreter)", progress)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    prof = subprocess.run([vpy, "-m", "workers.engines.vllm_profile", "--config-dir", str(REPO / "configs"),
+                           "--config", str(prof_cfg), "-o", str(work / "profile.json"), "--isolate",
+                           *([] if progress else ["--no-progress"])],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, preexec_fn=_all_cpus,
+                          stderr=None if progress else subprocess.DEVNULL, timeout=900)
+    if prof.returncode != 0:
+        raise RuntimeError(f"the vLLM step profile failed (exit {prof.returncode})")
+    profile = json.loads((work / "profile.json").read_text())
+    cost = LinearStepCost.from_profile(work / "profile.json")
+    engine = profile["engine"]
+    over["gpus"][GPU]["step_profile"] = str((work / "profile.json").resolve())
+    over["policies"]["worker"]["max_batched_tokens"] = int(engine["max_num_batched_tokens"])
+    cfg_path = work / "cluster.yaml"
+    cfg_path.write_text(yaml.safe_dump(over))
+    config = parse_config(raw_config(REPO / "configs", [cfg_path]), source=str(cfg_path))
+    default = config.policies.node_selection.policy
+    pols = list(dict.fromkeys(policies or [default, "round_robin", ANCHOR]))
+    model = config.nodes()[0].models[0]
+    svc = EmbeddedServices(work / "services", etcd_args=["--unsafe-no-fsync"])
+    ep = svc.start()
+    procs = ClusterProcesses(config, ep.redis_url, ep.etcd_url, work / "logs", ["--config", str(cfg_path)],
+                             engine="vllm", log_level="WARNING")
+    split: dict[str, Any] = {}
+    live: dict[str, dict[str, Any]] = {}
+    raw: dict[str, Any] = {}
+    hops: list[float] = []
+    try:
+        _log(f"starting {nodes} vLLM workers and the pipeline roles (logs: {work / 'logs'})", progress)
+        procs.start()
+        asyncio.run(wait_cluster_ready(config, ep.redis_url, ep.etcd_url, 600))
+        split = isolate_engines(os.getpid())
+        base = at_load(config, trace_slice(requests, seed), cost, engine, default, load)
+        span_s = max(r.arrival_ms for r in base) / 1000.0
+        for k, pol in enumerate(pols):
+            rows = salted(base, f"run-{k}-{pol}")
+            _log(f"[{k + 1}/{len(pols)}] {pol}: replaying {len(rows)} requests over {span_s:.1f} s", progress)
+            run = DemoRun(config, ep.redis_url, ep.etcd_url, TRACE, len(rows), 1.0, model, seed, progress=progress,
+                          rows=rows, caps=[r.max_tokens for r in rows], route_policy=pol, idle_timeout_s=300.0)
+            report = asyncio.run(run.run())
+            ok = [e for rid, e in run.results.items() if rid in run.submitted and e.status == "ok" and e.start_ms > 0]
+            hops += [(e.routed_ms - e.arrival_ms) + (e.start_ms - e.batched_ms) for e in ok]
+            nodes_used: dict[str, int] = {}
+            for e in ok:
+                nodes_used[e.node] = nodes_used.get(e.node, 0) + 1
+            live[pol] = {**_figures(report["_ttft"], report["_e2e"]),
+                         **{k2: report[k2] for k2 in ("completed", "errors", "lost", "duplicates")},
+                         "per_node": nodes_used}
+            raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"]}
+    finally:
+        restore_affinity(split)
+        procs.stop()
+        svc.stop()
+    dispatch_ms = max(0.0, percentile(hops, 50)) if hops else 0.0
+    sim: dict[str, dict[str, Any]] = {}
+    for pol in pols:
+        s = simulate(config, base, cost, engine, pol, dispatch_ms)
+        sim[pol] = {**_figures(s["ttft"], s["e2e"]), "completed": s["completed"], "dropped": s["dropped"],
+                    "prefix_hit_rate": s["prefix_hit_rate"], "per_node": s["per_node"]}
+        raw[pol] |= {"sim_ttft_ms": s["ttft"], "sim_e2e_ms": s["e2e"]}
+    rr = "round_robin"
+    margins = {}
+    for pol in pols:
+        if pol == rr or rr not in pols:
+            continue
+        margins[pol] = {
+            "live_vs_round_robin": round(live[rr]["ttft_p99_ms"] / max(1e-9, live[pol]["ttft_p99_ms"]), 3),
+            "sim_vs_round_robin": round(sim[rr]["ttft_p99_ms"] / max(1e-9, sim[pol]["ttft_p99_ms"]), 3)}
+    out = {
+        "default": default, "policies": pols, "anchor": ANCHOR, "requests": len(base), "load": load, "nodes": nodes,
+        "span_s": round(span_s, 1), "oracle": False, "live": live, "sim": sim,
+        "live_ranking": _ranking(live), "sim_ranking": _ranking(sim), "margins_p99_ttft": margins,
+        "step_cost": profile["fit"], "engine": engine, "dispatch_latency_ms": round(dispatch_ms, 2),
+        "cpus": {k: v for k, v in split.items() if not k.startswith("_")},
+        "wall_s": round(time.perf_counter() - t_all, 1), "work_dir": str(work),
+    }
+    (work / "live-decisions.json").write_text(json.dumps({**out, "per_request": raw}, indent=1))
+    out["plot"] = str(work / "live-decisions.png")
+    _plot(out, work / "live-decisions.png")
+    return out
+
+
+def format_report(out: dict[str, Any]) -> str:
+    """The measured and the predicted figures per policy, side by side."""
+    lines = [f"{'policy':<20}{'live p99 TTFT':>15}{'sim p99 TTFT':>14}{'live p50':>10}{'sim p50':>10}"
+             f"{'live x rr':>11}{'sim x rr':>10}"]
+    for pol in out["policies"]:
+        lv, sm = out["live"][pol], out["sim"][pol]
+        m = out["margins_p99_ttft"].get(pol, {})
+        lines.append(f"{pol:<20}{lv['ttft_p99_ms']:>13.1f}ms{sm['ttft_p99_ms']:>12.1f}ms{lv['ttft_p50_ms']:>8.1f}ms"
+                     f"{sm['ttft_p50_ms']:>8.1f}ms{m.get('live_vs_round_robin', 1.0):>10.2f}x"
+                     f"{m.get('sim_vs_round_robin', 1.0):>9.2f}x")
+    lines.append(f"ranking on P99 TTFT: live {' < '.join(out['live_ranking'])}; "
+                 f"simulated {' < '.join(out['sim_ranking'])}")
+    return "\n".join(lines)
+
+
+def _plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pols = out["policies"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, q in ((axes[0], "ttft_p99_ms"), (axes[1], "ttft_p50_ms")):
+        x = range(len(pols))
+        ax.bar([i - 0.2 for i in x], [out["live"][p][q] for p in pols], 0.4, label="live (vLLM CPU engines)")
+        ax.bar([i + 0.2 for i in x], [out["sim"][p][q] for p in pols], 0.4, label="simulated (oracle-free)")
+        ax.set_xticks(list(x), pols)
+        ax.set_ylabel("ms")
+        ax.set_title(q.replace("_ms", "").replace("_", " "))
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Node choice on {out['nodes']} vLLM engines: {out['requests']} multi-turn requests at load "
+                 f"{out['load']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
