@@ -7,7 +7,10 @@ What `live_decisions` does, in order (every step real; nothing is read from an e
    (`.venv-vllm`, `.cache/tiny-qwen2-vllm`), with the gateway, router, batcher and monitor roles, as `rackflow up
    --engine vllm` does; vLLM's automatic prefix caching is on (its default here);
 2. profiles the engine's step times while the cluster idles and fits the linear step cost to them
-   (`workers.engines.vllm_profile`, as `rackflow sim validate` does): the simulator's only input from the engine;
+   (`workers.engines.vllm_profile`, as `rackflow sim validate` does), one engine alone on the engines' cores; the run's
+   engines share those cores (vLLM's CPU build binds every engine of a host to the same ones), so the fit is scaled
+   by the engines per core set (`shared_core_factor`), the profile an operator would measure in place: the
+   simulator's only input from the engine, and the live control plane's price of its nodes (`step_profile`);
 3. takes the first `requests` turns of the multi-turn trace (`data/traces/synthetic/multiturn.jsonl`: Mooncake
    JSONL with users and 512-token prefix blocks; each turn's prompt holds the conversation so far), prompts cut to
    `MAX_BLOCKS` blocks and answers to `MAX_OUT` tokens, arrivals scaled so that the simulated cluster runs at `load`
@@ -23,11 +26,11 @@ What `live_decisions` does, in order (every step real; nothing is read from an e
 6. reports per policy the live and the simulated P50/P99 TTFT and end-to-end latency, the two rankings on P99 TTFT,
    and each policy's margin over round robin, measured and predicted, side by side.
 
-What the simulator does not model here, and so where its absolute figures part from the live ones: the two vLLM
-engines share this machine's cores with each other and with the roles (their steps slow each other), and the live
-control plane prices nodes with the config's cost model of the node's GPU (the CPU engine's speed is not that), the
-simulated one with the fitted profile; both are the same for every node, so they scale the figures, not the choice
-between two identical nodes."""
+What the simulator does not model here, and so where its absolute figures part from the live ones: the engines
+time-share their cores only while both step (the scaled profile is the worst case, both busy), the roles share the
+other cores with the client and the engines' frontends (the measured pipeline hops stand for that), and the live
+control plane learns no speed belief for vLLM engines (their `slowdown` stays 1.0: both control planes price the
+nodes by the same scaled profile)."""
 
 from __future__ import annotations
 
@@ -215,9 +218,16 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
     if prof.returncode != 0:
         raise RuntimeError(f"the vLLM step profile failed (exit {prof.returncode})")
     profile = json.loads((work / "profile.json").read_text())
-    cost = LinearStepCost.from_profile(work / "profile.json")
     engine = profile["engine"]
-    over["gpus"][GPU]["step_profile"] = str((work / "profile.json").resolve())
+    # the engines of the run share the cores the profile's one engine had alone (vLLM's CPU build binds every
+    # engine on a host to the same cores: VLLM_CPU_OMP_THREADS_BIND=auto), so each steps at 1/share of that speed
+    # while the others step too: the profile the operator of this host would measure in place
+    share = nodes / max(1, len(engine.get("cpus", {}).get("engine_cpus") or [0]))
+    profile["fit"] = {k: float(v) * share for k, v in profile["fit"].items()}
+    profile["shared_core_factor"] = share
+    (work / "profile-run.json").write_text(json.dumps(profile, indent=1))
+    cost = LinearStepCost.from_profile(work / "profile-run.json")
+    over["gpus"][GPU]["step_profile"] = str((work / "profile-run.json").resolve())
     over["policies"]["worker"]["max_batched_tokens"] = int(engine["max_num_batched_tokens"])
     cfg_path = work / "cluster.yaml"
     cfg_path.write_text(yaml.safe_dump(over))
@@ -255,6 +265,8 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
                          **{k2: report[k2] for k2 in ("completed", "errors", "lost", "duplicates")},
                          "per_node": nodes_used}
             raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"]}
+            _save_dispatches(ep.redis_url, set(run.submitted),
+                             work / f"dispatches-{pol}.jsonl")
     finally:
         restore_affinity(split)
         procs.stop()
@@ -278,7 +290,8 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
         "default": default, "policies": pols, "anchor": ANCHOR, "requests": len(base), "load": load, "nodes": nodes,
         "span_s": round(span_s, 1), "oracle": False, "live": live, "sim": sim,
         "live_ranking": _ranking(live), "sim_ranking": _ranking(sim), "margins_p99_ttft": margins,
-        "step_cost": profile["fit"], "engine": engine, "dispatch_latency_ms": round(dispatch_ms, 2),
+        "step_cost": profile["fit"], "shared_core_factor": share, "engine": engine,
+        "dispatch_latency_ms": round(dispatch_ms, 2),
         "cpus": {k: v for k, v in split.items() if not k.startswith("_")},
         "wall_s": round(time.perf_counter() - t_all, 1), "work_dir": str(work),
     }
@@ -286,6 +299,34 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
     out["plot"] = str(work / "live-decisions.png")
     _plot(out, work / "live-decisions.png")
     return out
+
+
+def _save_dispatches(redis_url: str, ids: set[str], path: Path) -> None:
+    """The run's node choices as the batchers recorded them on `rf:decisions` (choice, what each node scored, the
+    requests of the batch), one JSON line each: what a diverging ranking is read from."""
+    import redis
+
+    from pipeline.events import DecisionEvent
+    from streams import keys
+    from streams.codec import decode
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            last = "-"
+            while True:
+                rows = r.xrange(keys.DECISIONS, min=last, max="+", count=2000)
+                rows = [x for x in rows if x[0].decode() != last] if last != "-" else rows
+                if not rows:
+                    break
+                for _id, fields in rows:
+                    ev = decode(fields)
+                    if isinstance(ev, DecisionEvent) and ev.kind == "dispatch" and ids & set(ev.request_ids):
+                        fh.write(json.dumps({"ts_ms": ev.ts_ms, "choice": ev.choice, "scores": ev.scores,
+                                             "requests": list(ev.request_ids)}) + "\n")
+                last = rows[-1][0].decode()
+    finally:
+        r.close()
 
 
 def format_report(out: dict[str, Any]) -> str:
