@@ -14,7 +14,6 @@ from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.sim.report import summarize
 from pipeline.sim.simulator import SimParams, Simulator
-from pipeline.sim.traces import TraceRequest
 from pipeline.sim.world import ClientModel, WorldSpec
 from tests.unit.test_sim import azure, cfg, costs
 

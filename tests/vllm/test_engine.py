@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,3 +106,25 @@ def test_abort_stops_the_sequence_inside_vllm(reference: Reference) -> None:
     late, running = reference._call(body(), 120)
     assert late == 0, "tokens of an aborted sequence came out"
     assert running == 0, "vLLM's scheduler still runs the aborted request"
+
+
+def test_a_prompt_past_the_models_context_ends_as_an_error_not_a_length_finish(reference: Reference) -> None:
+    """vLLM refuses a prompt that leaves no room for an answer in max_model_len: the sequence ends with the engine's
+    reason as its error (the worker writes an `error` result), never as an `ok` answer of no tokens."""
+    eng = reference.engine
+    too_long = eng.engine.vllm_config.model_config.max_model_len + 8
+    r = RequestEvent(str(uuid.uuid4()), 1, "t", "u", "m", too_long, 4, 4, 1000.0, WALL.now_ms())
+
+    async def body() -> list[Any]:
+        eng.submit(r)
+        done = []
+        for _ in range(200):
+            done += [f for f in (await eng.step()).finished if f.request_id == r.request_id]
+            if done:
+                break
+        return done
+
+    done = reference._call(body(), 120)
+    assert len(done) == 1 and done[0].out_tokens == 0
+    assert "maximum" in done[0].error and "length" in done[0].error, done[0].error
+    assert not eng.live

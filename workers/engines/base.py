@@ -40,6 +40,9 @@ class SeqFinished:
     finish_ms: float
     reason: str = "length"
     """`length` (max_tokens reached) or `stop` (end-of-sequence token)."""
+    error: str = ""
+    """Set when the engine refused or failed the sequence (e.g. a prompt longer than the model's context): its
+    result is an `error` with this message, never an `ok` of the tokens it had."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ class VllmCounters:
     prefix_hits: int = 0
     """Of those, tokens found cached."""
     preempted: int = 0
+    preempt_logged: float = 0.0
     iterations: int = 0
     last_ts: float = 0.0
     step_ms: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=512))
@@ -95,7 +96,12 @@ def _stat_logger_factory(counters: VllmCounters) -> Any:
                 counters.prefix_queries += int(pc.queries)
                 counters.prefix_hits += int(pc.hits)
             if iteration_stats is not None:
-                counters.preempted += int(iteration_stats.num_preempted_reqs)
+                n_pre = int(iteration_stats.num_preempted_reqs)
+                counters.preempted += n_pre
+                if n_pre and now - counters.preempt_logged >= 10.0:  # once per 10 s: it is a regime, not an event
+                    counters.preempt_logged = now
+                    log.warning("vLLM preempted %d sequence(s) (%d since start): its KV cache is oversubscribed, "
+                                "they are recomputed", n_pre, counters.preempted)
                 if counters.running and counters.last_ts:
                     counters.step_ms.append((now, (now - counters.last_ts) * 1000.0))
             counters.iterations += 1
@@ -330,7 +336,8 @@ class VllmEngine:
                     log.error("vllm request %s ended: %s", rid, reason)
                 stopped = reason == "stop" or (live.stop_at > 0 and len(live.generated) >= live.stop_at)
                 finished.append(SeqFinished(rid, len(live.generated), live.start_ms, live.first_token_ms, now,
-                                            "stop" if stopped else "length"))
+                                            "stop" if stopped else "length",
+                                            error=reason[len("error: "):] if reason.startswith("error") else ""))
         self.steps += 1
         self.tokens += len(tokens)
         return StepOutput(tuple(tokens), tuple(finished), (time.perf_counter() - t0) * 1000.0)
@@ -402,7 +409,10 @@ class VllmEngine:
         free_blocks = round(self.num_blocks * (1.0 - usage))
         cap_gb = self.kv_capacity_kb / 1e6
         return EngineStats(
-            running=c.running if self.live else 0, waiting=c.waiting if self.live else 0,
+            # submitted sequences that vLLM's scheduler has not reported yet (its stats come with its next step) are
+            # waiting too: the control plane counts them against the node's slots from intake on
+            running=c.running if self.live else 0,
+            waiting=max(c.waiting, len(self.live) - c.running) if self.live else 0,
             kv_capacity_kb=self.kv_capacity_kb, kv_used_kb=self.kv_capacity_kb * usage,
             gpu_mem_total_gb=cap_gb, gpu_mem_free_gb=cap_gb * (1.0 - usage),
             avg_step_ms=avg, steps=self.steps, tokens=self.tokens,

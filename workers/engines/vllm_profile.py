@@ -6,11 +6,12 @@ simulator checked against a real engine).
 `policies.worker.vllm`, its engine core in its own process as in a worker), then times single engine iterations of
 known composition:
 - prefill: one prompt of P tokens (P over PREFILL_TOKENS), and batches of prompts prefilled in one iteration;
-- decode: B sequences (B over DECODE_BATCHES) decoding together, at short and long context.
+- decode: B sequences (B over DECODE_BATCHES) decoding together, at short and long context, and a few batches at
+  the long contexts a trace reaches (DECODE_LONG: prefilled once, then decoded from the prefix cache).
 A phase is timed as a whole, from `add_request` to every request's first token (the prefill iteration, intake
 included) and from there to the last finish (the decode iterations): single `step()` returns of vLLM's `LLMEngine`
 are not single iterations of its engine core (the frontend reads ahead or behind). Every prompt has its own token
-ids, so nothing is served from the prefix cache.
+ids, so nothing is served from the prefix cache (but DECODE_LONG's second run, on purpose).
 
 `fit_linear` fits `step_ms = base + per_decode_seq x decode sequences + per_kv_token x KV tokens read by decode
 (+ prefill_base + per_prefill_token x prefill tokens in an iteration that prefills)` by least squares, the decode
@@ -40,6 +41,11 @@ PREFILL_BATCHES = ((4, 128), (8, 256), (16, 64))
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_PROMPTS = (32, 768)
 """Prompt tokens of the decoding sequences (short and long context: the KV term)."""
+DECODE_LONG = ((4, 3072), (12, 3072))
+"""(sequences, prompt tokens) decoding at the long contexts a served trace reaches: the per-KV-token term is fitted
+where it weighs (measured: fitted on contexts up to 1.6 k tokens it came out 0.27 to 0.88 us per token from run to
+run, and a trace's arrivals scaled by it spanned 38 or 90 s). Their prompts take several iterations to prefill, so
+they give decode samples only."""
 DECODE_STEPS = 48
 REPEATS = 3
 
@@ -208,18 +214,20 @@ def _ids(n: int, vocab: int) -> list[int]:
     return [(seed + 7919 * i) % (vocab - 16) + 8 for i in range(n)]
 
 
-def _run(llm: Any, prompts: Sequence[int], max_tokens: int, vocab: int) -> tuple[float, float]:
-    """Add one request per prompt length, step until all finish. Returns (ms from the add to the moment every
-    request has its first token: the prefill iteration, intake included; ms from then to the last finish)."""
+def _run(llm: Any, prompts: Sequence[int], max_tokens: int, vocab: int,
+         ids: Sequence[list[int]] | None = None) -> tuple[float, float]:
+    """Add one request per prompt length (or per given token ids), step until all finish. Returns (ms from the add
+    to the moment every request has its first token: the prefill iteration, intake included; ms from then to the
+    last finish)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     waiting = set()
-    for p in prompts:
+    for k, p in enumerate(prompts):
         rid = uuid.uuid4().hex
         waiting.add(rid)
-        llm.add_request(rid, {"prompt_token_ids": _ids(p, vocab)}, params)
+        llm.add_request(rid, {"prompt_token_ids": list(ids[k]) if ids is not None else _ids(p, vocab)}, params)
     t_first = None
     while llm.has_unfinished_requests():
         for out in llm.step():
@@ -244,13 +252,25 @@ def measure(llm: Any, info: dict[str, Any], progress: bool = True) -> list[StepS
     plan += [("prefill", [p] * b, 1) for b, p in PREFILL_BATCHES if b * p <= cap and b <= seqs]
     plan += [("decode", [p] * b, DECODE_STEPS + 1) for p in DECODE_PROMPTS for b in DECODE_BATCHES
              if b <= seqs and b * p <= cap]
+    blocks = info.get("num_blocks") or 0
+    bt = info.get("block_size") or 1
+    plan += [("decode-long", [p] * b, DECODE_STEPS + 1) for b, p in DECODE_LONG
+             if b <= seqs and (not blocks or b * -(-(p + DECODE_STEPS + 1) // bt) <= blocks * 0.8)]
     _run(llm, [64], 4, vocab)  # warm-up
     samples: list[StepSample] = []
     for i, (kind, prompts, steps) in enumerate(plan):
         for _ in range(REPEATS):
-            first_ms, rest_ms = _run(llm, prompts, steps, vocab)
-            samples.append(StepSample(sum(prompts), 0, 0, first_ms))
-            if kind == "decode":
+            if kind == "decode-long":
+                # the prompts are prefilled once (their prefill spans iterations), then run again from the prefix
+                # cache: only their last partial blocks prefill, in one iteration, and the B sequences decode in
+                # step from there (without a prefix cache the tail of the phase has fewer: a bound, not a fault)
+                ids = [_ids(p, vocab) for p in prompts]
+                _run(llm, prompts, 1, vocab, ids)
+                first_ms, rest_ms = _run(llm, prompts, steps, vocab, ids)
+            else:
+                first_ms, rest_ms = _run(llm, prompts, steps, vocab)
+                samples.append(StepSample(sum(prompts), 0, 0, first_ms))
+            if kind.startswith("decode"):
                 b, p = len(prompts), prompts[0]
                 samples.append(StepSample(0, b, b * (p + 1 + steps // 2), rest_ms / (steps - 1)))
         if progress:

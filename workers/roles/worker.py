@@ -505,6 +505,13 @@ class Worker:
             live = self.live.pop(f.request_id)
             if live.span is not None:
                 spans.append((live.span, f.out_tokens))
+            if f.error:  # the engine refused or failed it: an error, with the engine's reason
+                results.append(ResultEvent.of(
+                    live.req, "error", self.node, self.rack, f.finish_ms, out_tokens=f.out_tokens,
+                    batch_id=live.batch_id, batched_ms=live.batched_ms, start_ms=f.start_ms,
+                    error=f"engine: {f.error}",
+                ))
+                continue
             results.append(ResultEvent.of(
                 live.req, "ok", self.node, self.rack, f.finish_ms, out_tokens=f.out_tokens, batch_id=live.batch_id,
                 text="".join(live.text), batched_ms=live.batched_ms, start_ms=f.start_ms,

@@ -121,7 +121,7 @@ def trace_slice(requests: int, seed: int = 0) -> list[TraceRequest]:
     client = ClientModel()
     out = []
     for r in rows:
-        n_in = max(1, min(r.in_tokens, MAX_BLOCKS * BLOCK))
+        n_in = max(1, min(r.in_tokens, MAX_BLOCKS * BLOCK - MAX_OUT))  # the model's context holds prompt + answer
         n_out = max(1, min(r.out_tokens, MAX_OUT))
         out.append(replace(r, in_tokens=n_in, out_tokens=n_out, prefix_hashes=tuple(r.prefix_hashes[: n_in // BLOCK]),
                            max_tokens=client.draw(n_out, rng)))
@@ -255,6 +255,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
             _log(f"[{k + 1}/{len(pols)}] {pol}: replaying {len(rows)} requests over {span_s:.1f} s", progress)
             run = DemoRun(config, ep.redis_url, ep.etcd_url, TRACE, len(rows), 1.0, model, seed, progress=progress,
                           rows=rows, caps=[r.max_tokens for r in rows], route_policy=pol, idle_timeout_s=300.0)
+            t_run_ms = time.time() * 1000.0
             report = asyncio.run(run.run())
             ok = [e for rid, e in run.results.items() if rid in run.submitted and e.status == "ok" and e.start_ms > 0]
             hops += [(e.routed_ms - e.arrival_ms) + (e.start_ms - e.batched_ms) for e in ok]
@@ -267,6 +268,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
             raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"]}
             _save_dispatches(ep.redis_url, set(run.submitted),
                              work / f"dispatches-{pol}.jsonl")
+            _save_health(ep.redis_url, t_run_ms, work / f"health-{pol}.jsonl")
     finally:
         restore_affinity(split)
         procs.stop()
@@ -324,6 +326,34 @@ def _save_dispatches(redis_url: str, ids: set[str], path: Path) -> None:
                     if isinstance(ev, DecisionEvent) and ev.kind == "dispatch" and ids & set(ev.request_ids):
                         fh.write(json.dumps({"ts_ms": ev.ts_ms, "choice": ev.choice, "scores": ev.scores,
                                              "requests": list(ev.request_ids)}) + "\n")
+                last = rows[-1][0].decode()
+    finally:
+        r.close()
+
+
+def _save_health(redis_url: str, since_ms: float, path: Path) -> None:
+    """The workers' heartbeats on `rf:health` since `since_ms` (running, waiting, KV used, the last batch entry
+    read), one JSON line each: what a node the batcher kept skipping looked like to it."""
+    import redis
+
+    from pipeline.events import HealthEvent
+    from streams import keys
+    from streams.codec import decode
+
+    r = redis.Redis.from_url(redis_url)
+    fields_kept = ("node", "ts_ms", "running", "waiting", "kv_used_kb", "kv_capacity_kb", "kv_blocks_free",
+                   "prefill_tokens", "decode_seqs", "avg_latency_ms", "last_batch_entry")
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            last = f"{int(since_ms)}-0"
+            while True:
+                rows = r.xrange(keys.HEALTH, min=f"({last}", max="+", count=2000)
+                if not rows:
+                    break
+                for _id, fields in rows:
+                    ev = decode(fields)
+                    if isinstance(ev, HealthEvent) and ev.source == "worker":
+                        fh.write(json.dumps({k: getattr(ev, k) for k in fields_kept}) + "\n")
                 last = rows[-1][0].decode()
     finally:
         r.close()
