@@ -209,7 +209,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
     prof_cfg = work / "profile-cluster.yaml"
     prof_cfg.write_text(yaml.safe_dump(over))
     _log("profiling the engine's step times (vLLM's interpreter)", progress)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x))
     prof = subprocess.run([vpy, "-m", "workers.engines.vllm_profile", "--config-dir", str(REPO / "configs"),
                            "--config", str(prof_cfg), "-o", str(work / "profile.json"), "--isolate",
                            *([] if progress else ["--no-progress"])],
