@@ -24,7 +24,17 @@ ctx = zmq.Context()
 addr = sb.get_open_zmq_ipc_path()
 writer = sb.SpinCondition(is_reader=False, context=ctx, notify_address=addr)
 reader = sb.SpinCondition(is_reader=True, context=ctx, notify_address=addr)
-time.sleep(0.2)  # the subscription reaches the publisher
+# the subscription reaches the publisher when it does (a PUB drops what it sends before): notify until one arrives,
+# however long a busy machine takes, then drain (the reader's socket conflates to one message)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    writer.notify()
+    if reader.local_notify_socket in dict(reader.poller.poll(timeout=100)):
+        break
+else:
+    raise SystemExit("the reader never subscribed")
+while reader.local_notify_socket in dict(reader.poller.poll(timeout=50)):
+    reader.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
 # a reader that never spins (RACKFLOW_VLLM_SPIN_S=0) waits on the socket every time: each of 200 notifications sent
 # back to back wakes a wait that would otherwise last its whole 1 s timeout (with vLLM's SNDHWM 1 most never come)
 woken = 0

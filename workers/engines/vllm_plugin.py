@@ -21,7 +21,10 @@ engines`), a reader that never spins (`RACKFLOW_VLLM_SPIN_S=0`) decodes 42 token
 with vLLM's SNDHWM and a 20 ms re-check (almost every notification lost), and 574 and 6,374 with SNDHWM 1,000
 (`NOTIFY_HWM`: the readers' socket conflates whatever queues to one message, so nothing piles up). Here the
 notify socket gets that high-water mark (`RACKFLOW_VLLM_NOTIFY_HWM`) and the re-check is 20 ms
-(`RACKFLOW_VLLM_SHM_RECHECK_MS`): a notification lost any other way costs a step 20 ms, not seconds.
+(`RACKFLOW_VLLM_SHM_RECHECK_MS`): a notification lost any other way costs a step 20 ms, not seconds. Not solved by
+this: in the live decisions tier, under the load of a fast-fitted profile, an engine still stalls for seconds in
+some runs (its engine core runnable in `notify` while both engines' workers share the one core vLLM binds them to;
+cause unproven).
 
 In every process vLLM spawns (its engine core, its executor's workers) it also asks Linux for SIGKILL when the
 parent dies: a rackflow worker killed with -9 used to leave vLLM's executor running as a 1.5 GB orphan.
@@ -88,17 +91,30 @@ class _NotifyContext:
         self._hwm = hwm
 
     def socket(self, kind: int, **kwargs: Any) -> Any:
-        import zmq
-
-        hwm = self._hwm
-
-        class NotifySocket(zmq.Socket):  # type: ignore[misc]
-            def setsockopt(self, option: int, value: Any) -> None:  # type: ignore[override]
-                if option == zmq.SNDHWM:
-                    value = max(int(value), hwm)
-                super().setsockopt(option, value)
-
-        return self._context.socket(kind, socket_class=NotifySocket, **kwargs)
+        sock = self._context.socket(kind, socket_class=_notify_socket_class(), **kwargs)
+        sock.rackflow_min_sndhwm = self._hwm
+        return sock
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
+
+
+_NOTIFY_SOCKET: Any = None
+
+
+def _notify_socket_class() -> Any:
+    """A zmq.Socket whose SNDHWM is never set below its `rackflow_min_sndhwm` (made once, zmq imported late)."""
+    global _NOTIFY_SOCKET
+    if _NOTIFY_SOCKET is None:
+        import zmq
+
+        class NotifySocket(zmq.Socket):  # type: ignore[misc]
+            rackflow_min_sndhwm = 1
+
+            def setsockopt(self, option: int, value: Any) -> None:  # type: ignore[override]
+                if option == zmq.SNDHWM:
+                    value = max(int(value), self.rackflow_min_sndhwm)
+                super().setsockopt(option, value)
+
+        _NOTIFY_SOCKET = NotifySocket
+    return _NOTIFY_SOCKET
