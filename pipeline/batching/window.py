@@ -185,6 +185,13 @@ class WindowBatcher:
         mode = self.policy.late_binding
         return mode == "all" or (mode == "policy" and self.policies.late_binding(policy))
 
+    def _age_for(self, req: RequestEvent) -> int:
+        """Windows after which a waiting request ages: `late_age_after_windows` for a late-binding policy's request
+        (held shortest first until then), else `age_after_windows`."""
+        if self._late(self.policies.resolve(req.route_policy)):
+            return self.policy.late_age_after_windows
+        return self.policy.age_after_windows
+
     def _room_now(self, n: NodeView, late: bool) -> bool:
         """The node would start more work now: memory and a slot, and for a late-binding policy less than the
         prefill horizon queued."""
@@ -246,7 +253,7 @@ class WindowBatcher:
                         f"{cap / 1e6:.1f} GB for {p.request.model} in this rack; shorten the prompt or max_tokens",
                     )
                 )
-            elif p.windows_waited >= self.policy.age_after_windows:
+            elif p.windows_waited >= self._age_for(p.request):
                 self._to_aged(p)
             else:
                 fresh.append(p)
@@ -334,7 +341,11 @@ class _Packing:
             return False
         pname = b.policies.resolve(req.route_policy)
         pol = b.policies.get(pname)
-        late = b._late(pname)
+        late = b._late(pname) and p.windows_waited < b.policy.late_age_after_windows
+        if late:
+            binds = getattr(pol, "late_binds", None)
+            if binds is not None and not binds([views[n] for n in sorted(budgets)], req):
+                late = False  # the policy places this one at once (its prefix is cached somewhere)
         cands = [views[n] for n in sorted(budgets) if budgets[n] >= mem and b.serves(n, req.model)
                  and (not late or not horizon or views[n].prefill_tokens < horizon)]
         if not cands:

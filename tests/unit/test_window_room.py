@@ -100,3 +100,34 @@ def test_reservations_in_flight_count_their_prompts_as_queued_prefill() -> None:
     v = ledger.apply(node_view("a", kv_free_kb=1000.0, prefill_tokens=500), last_admitted="4-0")
     assert (v.kv_free_kb, v.waiting, v.prefill_tokens) == (900.0, 2, 3500)
     assert ledger.apply(node_view("a", prefill_tokens=500), last_admitted="5-0").prefill_tokens == 500
+
+
+def test_work_aware_holds_only_requests_cached_nowhere_smallest_first_until_they_age() -> None:
+    """The default (`late_binding: policy`): a work_aware request whose prefix no node has cached waits in the
+    batcher while every node has its prefill horizon queued, and the held ones go smallest first; one with a
+    cached prefix goes at once to its node; a held one that waited `late_age_after_windows` windows goes
+    wherever memory and a slot allow."""
+    assert BatcherPolicy().late_binding == "policy"
+    blocks = BlockIndex()
+    hashes = tuple(range(64))
+    blocks.stored("a", hashes)
+    b = batcher(blocks=blocks, max_queued_prefill_tokens=1000, late_age_after_windows=3)
+    b.offer(pending(request(request_id="big", in_tokens=900, mem_est_kb=9.0)))
+    b.offer(pending(request(request_id="hit", in_tokens=1024, mem_est_kb=5.0, prefix_hashes=hashes)))
+    b.offer(pending(request(request_id="small", in_tokens=100, mem_est_kb=1.0)))
+    busy = [node_view("a", prefill_tokens=2000, kv_free_kb=1e6), node_view("b", prefill_tokens=2000, kv_free_kb=1e6)]
+    out = b.close(1.0, busy)
+    assert [(plan.node, [q.request.request_id for q in plan.requests]) for plan in out.plans] == [("a", ["hit"])]
+    assert out.waiting == 2
+    # b drains below its horizon: the small one goes first (it arrived last), then the big one (100 < 1000)
+    nodes = [busy[0], node_view("b", prefill_tokens=0, kv_free_kb=1e6)]
+    out = b.close(2.0, nodes)
+    assert [(plan.node, [q.request.request_id for q in plan.requests]) for plan in out.plans] == [
+        ("b", ["small", "big"])]
+    # held long enough, a request ages and no longer waits for a node under its horizon
+    b = batcher(blocks=blocks, max_queued_prefill_tokens=1000, late_age_after_windows=3)
+    b.offer(pending(request(request_id="big", in_tokens=900, mem_est_kb=9.0)))
+    for k in range(2):
+        assert b.close(float(k), busy).waiting == 1
+    out = b.close(10.0, busy)  # its third window
+    assert out.waiting == 0 and [q.request.request_id for plan in out.plans for q in plan.requests] == ["big"]
