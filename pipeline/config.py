@@ -315,6 +315,12 @@ class WorkAwareParams(_Strict):
     """When every node that has room for the request costs more than this above its cheapest node (which has none
     now: its memory budget or its queue is full), the request waits in the batcher for that one, up to
     `max_wait_ms`, unless a node with room has nothing to prefill (it would idle)."""
+    idle_margin_ms: float = Field(default=1000.0, ge=0, le=1e9)
+    """The same margin where a node with room has nothing queued for prefill: the request waits for its cheapest node
+    only when that beats the node with room by more than this (before, never: a node without prefill took any
+    request, and held requests went to the node that had just drained, where the sequences it had just prefilled
+    were decoding). Tuned on the tuning traces (`rackflow sim matrix --repeats 2`, docs/SIMULATOR.md): 1,000 ms; with
+    100 ms and 0 ms fewer cells within 3% (46, 47 of 63 against 49) at about the same mean goodput."""
     max_wait_ms: float = Field(default=20_000.0, ge=0, le=1e9)
     """The longest a request waits in the batcher for its cheapest node; then it goes wherever there is room. Above
     capacity every request waits that long anyway (the gateway bounds the queue): measured on the Mooncake trace at

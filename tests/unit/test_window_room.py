@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeline.batching.ledger import ReservationLedger
 from pipeline.batching.window import CloseReason, WindowBatcher
-from pipeline.config import BatcherPolicy
+from pipeline.config import BatcherPolicy, WorkAwareParams
 from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.registry import NodePolicySet, PolicyContext
 from tests.unit.builders import node_selection, node_view, pending, request
@@ -60,16 +60,24 @@ def test_a_request_waits_in_the_batcher_for_the_node_holding_its_prefix() -> Non
     assert [(plan.node, len(plan.requests)) for plan in out.plans] == [("a", 1)]
 
 
-def test_a_waiting_request_never_leaves_an_idle_node_idle_and_gives_up_after_max_wait() -> None:
+def test_a_node_with_nothing_to_prefill_takes_a_request_unless_its_cheapest_node_saves_more_than_the_idle_margin(
+) -> None:
     blocks = BlockIndex()
     hashes = tuple(range(64))
     blocks.stored("a", hashes)
     r = request(request_id="q", in_tokens=1024, out_tokens=10, mem_est_kb=1.0, prefix_hashes=hashes)
     full_a = node_view("a", max_seqs=2, running=2, waiting=1, kv_free_kb=1e6)
-    b = batcher(blocks=blocks)
-    b.offer(pending(r, enqueued_ms=0.0))
-    out = b.close(1.0, [full_a, node_view("b", kv_free_kb=1e6)])  # b is idle: take it
-    assert [plan.node for plan in out.plans] == ["b"]
+    idle_b = node_view("b", kv_free_kb=1e6)
+    probe = batcher(blocks=blocks).policies.get("work_aware")
+    costs = probe.costs([full_a, idle_b], r)
+    saving = costs["b"] - costs["a"]  # what waiting for a (its prefix cached) saves over prefilling on b now
+    assert saving > 0
+    for margin, placed in ((saving * 2, ["b"]), (saving / 2, [])):
+        b = WindowBatcher(BatcherPolicy(), NodePolicySet(
+            node_selection(work_aware=WorkAwareParams(idle_margin_ms=margin)), 0, "r0", {}, 16,
+            context=PolicyContext(block_tokens=16, blocks=blocks)), {"a": 1e6, "b": 1e6})
+        b.offer(pending(r, enqueued_ms=0.0))
+        assert [plan.node for plan in b.close(1.0, [full_a, idle_b]).plans] == placed
     b = batcher(blocks=blocks)
     b.offer(pending(r, enqueued_ms=0.0))
     busy_b = node_view("b", prefill_tokens=4096, kv_free_kb=1e6)

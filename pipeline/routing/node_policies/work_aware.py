@@ -171,16 +171,21 @@ class WorkAware:
                   waited_ms: float) -> bool:
         """Late binding: True while the request is better off waiting in the batcher for a node that cannot start it
         now: its cheapest node overall is busy and beats every node with room by more than `wait_margin_ms` (a prefix
-        cached there, usually), it has waited less than `max_wait_ms`, and no node that could take it has an empty
-        prefill queue (waiting then would leave that node idle)."""
-        if waited_ms >= self.p.max_wait_ms or any(v.prefill_tokens == 0 for v in with_room):
-            return False  # waited long enough, or a node would idle: work-conserving
+        cached there, usually), or by more than `idle_margin_ms` when a node with room has nothing to prefill, and it
+        has waited less than `max_wait_ms`. A node with nothing to prefill is not idle: it is decoding, and a long
+        prompt sent there because it drained first stretches every one of its decoding sequences' iterations; the
+        cost already prices that (`others_weight`) and the prefill that the busy node would save."""
+        if waited_ms >= self.p.max_wait_ms:
+            return False
         costs = self.costs(everyone, req)
         best = min(everyone, key=lambda v: (costs[v.name], v.name)).name
         room = {v.name for v in with_room}
         if best in room or not room:
             return False
-        return min(costs[n] for n in room) - costs[best] > self.p.wait_margin_ms
+        margin = self.p.wait_margin_ms
+        if any(v.prefill_tokens == 0 for v in with_room):  # a node with room has nothing to prefill
+            margin = max(margin, self.p.idle_margin_ms)
+        return min(costs[n] for n in room) - costs[best] > margin
 
     def late_binds(self, nodes: Sequence[NodeView], req: RequestEvent) -> bool:
         """Whether the batcher holds this request until a node can start it now (late binding): only when no node
