@@ -380,14 +380,14 @@ class BatcherPolicy(_Strict):
     under a burst short prompts are not queued behind long ones in an engine's FIFO, until it has waited
     `late_age_after_windows` windows; then it ages (oldest first) and goes wherever memory and a slot allow. The
     queue in front of the engines is llm-d's flow control's (requests held in the gateway while the pool is
-    saturated); the order is shortest-job-first with aging. Measured oracle-free on the tuning traces
-    (docs/SIMULATOR.md, "The decision matrix"): the default within 3% of the best goodput in 23 of 36 cells against
-    18 with `none`, and of the best P99 TTFT in 24 of 27 against 18."""
+    saturated); the order is shortest-job-first with aging. Measured oracle-free with `rackflow sim matrix`
+    (docs/SIMULATOR.md, "The decision matrix"), with `work_aware.idle_margin_ms`: the default within 3% of the best
+    goodput in 23 of 36 tuning cells against 18 with `none`, and of the best P99 TTFT in 21 of 27 against 18."""
     late_age_after_windows: int = Field(default=40, ge=1, le=10_000)
     """A late-bound request held this many windows ages: it is placed first, oldest first, and no longer waits for
     a node under its prefill horizon (the bound on how long shortest-first can hold a long prompt back). Tuned on
     the tuning traces: 40 (4 s at the 100 ms window); 80 and 150 win goodput in 27 and 30 of 36 cells but P99 TTFT in
-    only 19 and 17 of 27."""
+    only 19 and 17 of 27 (measured before `work_aware.idle_margin_ms`)."""
     close_when_room: bool = True
     """Close the window at once when a waiting request fits a node that can start it now (budget and a free
     sequence slot): the window only ever holds requests no node could take."""
