@@ -32,10 +32,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.chaos, pyte
 
 KILL_TOKENS = 1500
 """Long enough that a sequence is mid-stream for seconds on the CPU build (ignore_eos: every one runs to it)."""
-XID_TOKENS = 8000
+XID_TOKENS = 16_000
 """An Xid drain reaches the worker after the agent's sample, the monitor's verdict, the Celery drain task and one
-migrate task per sequence: measured 5-10 s on this 2-core machine while two vLLM workers decode. The sequences must
-still run then: 8000 tokens take 20-30 s here (2.5-3.5 ms a step)."""
+migrate task per sequence: measured 5-10 s on this 2-core machine while two vLLM workers decode, and, in runs of
+2026-12-04, 12.7-14.8 s for the drain task and 21 s for a delegated migrate task while etcd missed its deadlines.
+The sequences must still run then. Since the plugin stopped vLLM's shared-memory queue from losing its wake-ups a
+step takes ~1.5 ms here, not 2.5-3.5: 8,000 tokens (~12 s) ended before the drain in most runs that day (the moves
+reported `finished`); 16,000 passed one run of two. The race is not removed: the drain's own latency under CPU
+contention is the weakness (issue notes)."""
 
 
 @pytest.fixture
