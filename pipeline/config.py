@@ -372,7 +372,7 @@ class BatcherPolicy(_Strict):
     """Late binding (`late_binding`): a node with this many prompt tokens queued for prefill (its engine's queue plus
     what was sent to it and not admitted yet) gets no more late-bound work until it drains below: the queue waits in
     the batcher, where any node that frees up can take it (0: no bound, only memory and slots)."""
-    late_binding: Literal["none", "policy", "all"] = "policy"
+    late_binding: Literal["none", "policy", "all"] = "none"
     """Which requests wait in the batcher until a node can start them now (under `max_queued_prefill_tokens` of
     queued prefill): `none` (every request goes out as soon as a node has memory and a slot for it, as the anchors'
     routers do), `policy` (requests of policies that ask for it: work_aware, for a request whose prefix no node has
@@ -381,8 +381,11 @@ class BatcherPolicy(_Strict):
     `late_age_after_windows` windows; then it ages (oldest first) and goes wherever memory and a slot allow. The
     queue in front of the engines is llm-d's flow control's (requests held in the gateway while the pool is
     saturated); the order is shortest-job-first with aging. Measured oracle-free with `rackflow sim matrix`
-    (docs/SIMULATOR.md, "The decision matrix"), with `work_aware.idle_margin_ms`: the default within 3% of the best
-    goodput in 23 of 36 tuning cells against 18 with `none`, and of the best P99 TTFT in 21 of 27 against 18."""
+    (docs/SIMULATOR.md, "The decision matrix"), with `work_aware.idle_margin_ms`: `policy` puts the default within 3%
+    of the best goodput in 23 of 36 tuning cells (20 with `none`) and of the best P99 TTFT in 21 of 27 (18), 11 of 12
+    and 9 of 9 on the test trace (12 and 9); but it keeps queued work out of the engines, and where memory binds
+    (`rackflow sim experiment window-batching`, Mooncake at saturation) the KV peak falls from 0.855 to 0.836, under
+    the 0.85 target. So `none` stays the default until the hold keeps the engines' memory as full."""
     late_age_after_windows: int = Field(default=40, ge=1, le=10_000)
     """A late-bound request held this many windows ages: it is placed first, oldest first, and no longer waits for
     a node under its prefill horizon (the bound on how long shortest-first can hold a long prompt back). Tuned on

@@ -111,15 +111,14 @@ def test_reservations_in_flight_count_their_prompts_as_queued_prefill() -> None:
 
 
 def test_work_aware_holds_only_requests_cached_nowhere_smallest_first_until_they_age() -> None:
-    """The default (`late_binding: policy`): a work_aware request whose prefix no node has cached waits in the
-    batcher while every node has its prefill horizon queued, and the held ones go smallest first; one with a
-    cached prefix goes at once to its node; a held one that waited `late_age_after_windows` windows goes
-    wherever memory and a slot allow."""
-    assert BatcherPolicy().late_binding == "policy"
+    """With `late_binding: policy`: a work_aware request whose prefix no node has cached waits in the batcher
+    while every node has its prefill horizon queued, and the held ones go smallest first; one with a cached prefix
+    goes at once to its node; a held one that waited `late_age_after_windows` windows goes wherever memory and a
+    slot allow."""
     blocks = BlockIndex()
     hashes = tuple(range(64))
     blocks.stored("a", hashes)
-    b = batcher(blocks=blocks, max_queued_prefill_tokens=1000, late_age_after_windows=3)
+    b = batcher(blocks=blocks, late_binding="policy", max_queued_prefill_tokens=1000, late_age_after_windows=3)
     b.offer(pending(request(request_id="big", in_tokens=900, mem_est_kb=9.0)))
     b.offer(pending(request(request_id="hit", in_tokens=1024, mem_est_kb=5.0, prefix_hashes=hashes)))
     b.offer(pending(request(request_id="small", in_tokens=100, mem_est_kb=1.0)))
@@ -133,7 +132,7 @@ def test_work_aware_holds_only_requests_cached_nowhere_smallest_first_until_they
     assert [(plan.node, [q.request.request_id for q in plan.requests]) for plan in out.plans] == [
         ("b", ["small", "big"])]
     # held long enough, a request ages and no longer waits for a node under its horizon
-    b = batcher(blocks=blocks, max_queued_prefill_tokens=1000, late_age_after_windows=3)
+    b = batcher(blocks=blocks, late_binding="policy", max_queued_prefill_tokens=1000, late_age_after_windows=3)
     b.offer(pending(request(request_id="big", in_tokens=900, mem_est_kb=9.0)))
     for k in range(2):
         assert b.close(float(k), busy).waiting == 1
