@@ -314,13 +314,14 @@ class WorkAwareParams(_Strict):
     wait_margin_ms: float = Field(default=0.0, ge=0, le=1e9)
     """When every node that has room for the request costs more than this above its cheapest node (which has none
     now: its memory budget or its queue is full), the request waits in the batcher for that one, up to
-    `max_wait_ms`, unless a node with room has nothing to prefill (it would idle)."""
+    `max_wait_ms` (where a node with room has nothing to prefill, the margin is `idle_margin_ms` instead)."""
     idle_margin_ms: float = Field(default=1000.0, ge=0, le=1e9)
     """The same margin where a node with room has nothing queued for prefill: the request waits for its cheapest node
     only when that beats the node with room by more than this (before, never: a node without prefill took any
     request, and held requests went to the node that had just drained, where the sequences it had just prefilled
     were decoding). Tuned on the tuning traces (`rackflow sim matrix --repeats 2`, docs/SIMULATOR.md): 1,000 ms; with
-    100 ms and 0 ms fewer cells within 3% (46, 47 of 63 against 49) at about the same mean goodput."""
+    100 ms and 0 ms fewer cells within 3% (46, 47 of 63 against 49) at about the same mean goodput (those runs
+    with `batcher.late_binding: policy`; without it, the default, 38 tuning cells of 63 within 3% in one seed's run)."""
     max_wait_ms: float = Field(default=20_000.0, ge=0, le=1e9)
     """The longest a request waits in the batcher for its cheapest node; then it goes wherever there is room. Above
     capacity every request waits that long anyway (the gateway bounds the queue): measured on the Mooncake trace at
