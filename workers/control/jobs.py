@@ -21,6 +21,7 @@ import json
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import aclosing
@@ -478,9 +479,17 @@ async def _owners(seqs: SequenceRegistry, ids: list[str]) -> dict[str, str]:
 
 async def cancel(r: aioredis.Redis, seqs: SequenceRegistry | None, job: Job, retention_ms: int,
                  reason: str = "job cancelled") -> dict[str, Any]:
-    """Revoke the job's tasks and abort their requests; the record keeps when it was cancelled."""
-    await asyncio.to_thread(revoke, job.task_ids, reason)
+    """Abort the job's requests, then revoke its tasks; the record keeps when it was cancelled.
+
+    The abort comes first: its markers and CancelEvents are what stop the tokens (a request not started yet never
+    starts), and they cost a few Redis and etcd round trips. The revoke is a Celery broadcast plus a backend read in
+    a thread, which took up to 24 s here while vLLM on CPU starved the host; done first, it let a sequence run to
+    its end before its cancel was sent."""
+    t0 = time.perf_counter()
     report = await abort_requests(r, seqs, job.task_ids, reason, retention_ms)
+    t1 = time.perf_counter()
+    await asyncio.to_thread(revoke, job.task_ids, reason)
+    log.info("job %s: abort took %.0f ms, revoke %.0f ms", job.id, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
     now = WALL.now_ms()
     if await r.exists(keys.job(job.id)):
         await r.hset(keys.job(job.id), "cancelled_ms", str(now))
