@@ -88,8 +88,9 @@ class Reference:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-reference", daemon=True)
         self.thread.start()
-        self.engine = VllmEngine(VllmEngineConfig(model=str(ckpt), dtype="float32", ignore_eos=ignore_eos),
-                                 WALL.now_ms)
+        # normal priority: this is the test process itself, not a worker beside a control plane
+        self.engine = VllmEngine(VllmEngineConfig(model=str(ckpt), dtype="float32", ignore_eos=ignore_eos,
+                                                  cpu_nice=0), WALL.now_ms)
         self._call(self.engine.start(), 300)
 
     def _call(self, coro: Any, timeout: float) -> Any:

@@ -207,14 +207,14 @@ def test_cancel_through_the_jobs_api_aborts_the_sequence_inside_vllm(vc: VllmClu
         assert resp.status_code == 202, resp.text
         job = rid = resp.json()["id"]  # a one-request job's id is its task's and its request's
         t0 = time.monotonic()
-        _until("the job's request streams tokens", lambda: vc.r().xlen(keys.request_out(rid)) > 2, 60, 0.02)
+        _until("the job's request streams tokens", lambda rid=rid: vc.r().xlen(keys.request_out(rid)) > 2, 60, 0.02)
         t1 = time.monotonic()
         resp = httpx.delete(f"{url}/{job}", timeout=60)
         assert resp.status_code in (200, 202), resp.text
         report = resp.json()["cancel"]
         tries.append(f"tokens streaming after {t1 - t0:.2f} s, the DELETE took {time.monotonic() - t1:.2f} s, "
                      f"report {report}")
-        final = _until("the final result", lambda: next(
+        final = _until("the final result", lambda rid=rid: next(
             (ev for _e, f in vc.r().xrevrange(keys.request_out(rid), count=8)
              if isinstance(ev := codec.decode(f), ResultEvent)), None), 120)
         tries[-1] += f", ended {final.status} after {final.out_tokens} tokens"

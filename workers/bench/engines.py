@@ -72,7 +72,8 @@ def bench_engines(model_dir: Path, repeats: int = 3, tokens: int = 64, ttft_requ
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch_eng = TorchEngine(TorchEngineConfig(checkpoint=str(model_dir), dtype="float32", max_batch=16,
                                               stop_at_eos=False, kv_capacity_mb=512), None, WALL.now_ms)
-    vllm_eng = VllmEngine(VllmEngineConfig(model=str(model_dir), dtype="float32", ignore_eos=True), WALL.now_ms)
+    vllm_eng = VllmEngine(VllmEngineConfig(model=str(model_dir), dtype="float32", ignore_eos=True, cpu_nice=0),
+                          WALL.now_ms)  # normal priority: both engines run in this process, measured alike
     out: dict[str, Any] = {"model_dir": str(model_dir), "tokens_per_sequence": tokens, "repeats": repeats}
 
     async def engines() -> None:

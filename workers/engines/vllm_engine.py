@@ -36,6 +36,7 @@ from pipeline.config import VllmEngineConfig
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
+from workers.shell.runtime import lower_cpu_priority
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class VllmEngine:
         if self.on_cpu:
             # vLLM's CPU backend sizes its KV cache from this variable (GiB), not from gpu_memory_utilization
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kvcache_space_gb:g}")
+            # before vLLM spawns its processes, which inherit it: the model's cores are the control plane's too
+            log.info("vllm on cpu: %s", lower_cpu_priority(self.config.cpu_nice))
         factory = _stat_logger_factory(self.counters)
         args = AsyncEngineArgs(**self.args)
         # from_engine_args blocks while the engine core process loads the weights and profiles memory

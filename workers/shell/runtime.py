@@ -207,3 +207,30 @@ def die_with_parent_now() -> bool:
         return False
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     return True
+
+
+def lower_cpu_priority(nice: int) -> str:
+    """Yield the CPU to the rest of the host: this process and whatever it spawns from now on (vLLM's engine core and
+    executor) run `nice` steps below normal. Returns what was done, for the log.
+
+    With the scheduler's autogroups on (Linux's default on most distributions: each session is one group, and the
+    groups share the CPU as equals whatever their members' nice values), only the group's own nice counts against the
+    other roles, so a session leader sets its group's (`/proc/self/autogroup`); a process in a shared session leaves
+    the group alone, since that would lower its siblings too. `os.nice` covers kernels without autogroups."""
+    if nice <= 0:
+        return "normal priority"
+    done = []
+    try:
+        os.nice(nice)
+        done.append(f"nice +{nice}")
+    except OSError as e:
+        done.append(f"nice refused ({e.strerror})")
+    path = "/proc/self/autogroup"
+    try:
+        if os.getsid(0) == os.getpid() and os.path.exists(path):
+            with open(path, "w") as f:
+                f.write(str(nice))
+            done.append(f"its session's autogroup nice {nice}")
+    except OSError as e:
+        done.append(f"autogroup nice refused ({e.strerror})")
+    return ", ".join(done)
