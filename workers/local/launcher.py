@@ -56,6 +56,24 @@ def vllm_python() -> str:
     )
 
 
+def vllm_cpu_cores(nodes: list[str], node: str) -> str | None:
+    """The cores (vLLM's `VLLM_CPU_OMP_THREADS_BIND` list, "0-3") that the vLLM worker of `node` binds its compute
+    threads to, when every node of `nodes` runs on this host: a disjoint share of the cores this process may use, in
+    node order; None where the operator set the variable. On a GPU vLLM ignores it.
+
+    vLLM's CPU build binds each worker by itself (`auto`): every one of them took the same first core of the NUMA
+    node (measured: two workers, both pinned to CPU 0, while CPU 1 ran the rest), so two engines decoded on one core
+    and each stalled the other for seconds."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or node not in nodes:
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    share = max(1, len(cores) // len(nodes))
+    start = (nodes.index(node) * share) % len(cores)
+    mine = cores[start:start + share]
+    return f"{mine[0]}-{mine[-1]}" if len(mine) > 1 and mine[-1] - mine[0] == len(mine) - 1 else \
+        ",".join(str(c) for c in mine)
+
+
 @dataclass
 class RoleProcess:
     role: str
@@ -104,7 +122,8 @@ class ClusterProcesses:
         if self.gateway_port is None:
             self.gateway_port = self.config.gateway.port
 
-    def _spawn(self, role: str, name: str, extra: list[str], port: int | None = None) -> RoleProcess:
+    def _spawn(self, role: str, name: str, extra: list[str], port: int | None = None,
+               env_extra: dict[str, str] | None = None) -> RoleProcess:
         """Start `python -m workers.cli <role> ...`; the celery role runs `celery-worker`. `port`: a gateway's."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
@@ -118,6 +137,8 @@ class ClusterProcesses:
             # 0: a free port the gateway picks (printed in its log)
             metrics_port = (self.gateway_port if port is None else port) or None
         redis_args, env = self._redis_for(role)
+        if env_extra:
+            env = {**(env if env is not None else os.environ), **env_extra}
         python = vllm_python() if role == "worker" and self.engine == "vllm" else sys.executable
         cmd = [
             python, "-m", "workers.cli", *self.config_args,
@@ -224,7 +245,12 @@ class ClusterProcesses:
         return self._spawn("gateway", name, extra, port=port)
 
     def start_worker(self, node: str) -> RoleProcess:
-        return self._spawn("worker", f"worker-{node}", ["--node", node, "--engine", self.engine])
+        env = None
+        if self.engine == "vllm":
+            cores = vllm_cpu_cores([n.name for n in self.config.nodes()], node)
+            if cores is not None:
+                env = {"VLLM_CPU_OMP_THREADS_BIND": cores}
+        return self._spawn("worker", f"worker-{node}", ["--node", node, "--engine", self.engine], env_extra=env)
 
     def dead(self) -> list[RoleProcess]:
         return [p for p in self.procs if p.proc.poll() is not None]
