@@ -1,5 +1,6 @@
 """The cores each local vLLM worker binds its compute threads to (`workers.local.launcher.vllm_cpu_cores`): disjoint
-shares in node order, wrapping when there are more workers than cores, and the operator's own setting wins."""
+shares in node order, wrapping when there are more workers than cores; the operator's own setting wins, and a
+single worker keeps vLLM's binding."""
 
 from __future__ import annotations
 
@@ -47,3 +48,4 @@ def test_the_operators_setting_wins(cores, monkeypatch: pytest.MonkeyPatch) -> N
     assert vllm_cpu_cores(["a", "b"], "a") is None
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     assert vllm_cpu_cores(["a", "b"], "elsewhere") is None
+    assert vllm_cpu_cores(["a"], "a") is None  # one worker: vLLM's own binding, which keeps a core for the rest

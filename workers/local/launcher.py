@@ -59,12 +59,13 @@ def vllm_python() -> str:
 def vllm_cpu_cores(nodes: list[str], node: str) -> str | None:
     """The cores (vLLM's `VLLM_CPU_OMP_THREADS_BIND` list, "0-3") that the vLLM worker of `node` binds its compute
     threads to, when every node of `nodes` runs on this host: a disjoint share of the cores this process may use, in
-    node order; None where the operator set the variable. On a GPU vLLM ignores it.
+    node order; None where the operator set the variable, and for a single worker (vLLM's own binding then keeps a
+    core for the rest of the host). On a GPU vLLM ignores it.
 
     vLLM's CPU build binds each worker by itself (`auto`): every one of them took the same first core of the NUMA
     node (measured: two workers, both pinned to CPU 0, while CPU 1 ran the rest), so two engines decoded on one core
     and each stalled the other for seconds."""
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or node not in nodes:
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or node not in nodes or len(nodes) < 2:
         return None
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     share = max(1, len(cores) // len(nodes))
