@@ -7,11 +7,11 @@ What `live_decisions` does, in order (every step real; nothing is read from an e
    (`.venv-vllm`, `.cache/tiny-qwen2-vllm`), with the gateway, router, batcher and monitor roles, as `rackflow up
    --engine vllm` does; vLLM's automatic prefix caching is on (its default here);
 2. profiles the engine's step times while the cluster idles and fits the linear step cost to them
-   (`workers.engines.vllm_profile`, as `rackflow sim validate` does), one engine alone on the engines' cores; the
-   launcher binds each of the run's workers to its own share of the host's cores (`vllm_cpu_cores`), and where
-   workers must share a core set the fit is scaled by the engines per set (`shared_core_factor`, 1 with a core
-   each), the profile an operator would measure in place: the simulator's only input from the engine, and the live
-   control plane's price of its nodes (`step_profile`);
+   (`workers.engines.vllm_profile`, as `rackflow sim validate` does), one engine alone on a core; the run's engines
+   (each bound to its own share of the host's cores by the launcher, `vllm_cpu_cores`) share the host with each
+   other's frontends and the roles, so the fit is scaled by the engines per profiled core set
+   (`shared_core_factor`), a rough stand-in for the profile an operator would measure in place: the simulator's only
+   input from the engine, and the live control plane's price of its nodes (`step_profile`);
 3. takes the first `requests` turns of the multi-turn trace (`data/traces/synthetic/multiturn.jsonl`: Mooncake
    JSONL with users and 512-token prefix blocks; each turn's prompt holds the conversation so far), prompts cut to
    `MAX_BLOCKS` blocks and answers to `MAX_OUT` tokens, arrivals scaled so that the simulated cluster runs at `load`
@@ -191,7 +191,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
                    kv_blocks: int = KV_BLOCKS) -> dict[str, Any]:
     from pipeline.config import parse_config, raw_config
     from workers.local.demo import DemoRun
-    from workers.local.launcher import ClusterProcesses, vllm_cpu_cores, vllm_python, wait_cluster_ready
+    from workers.local.launcher import ClusterProcesses, vllm_python, wait_cluster_ready
     from workers.local.services import EmbeddedServices
 
     t_all = time.perf_counter()
@@ -220,13 +220,13 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
         raise RuntimeError(f"the vLLM step profile failed (exit {prof.returncode})")
     profile = json.loads((work / "profile.json").read_text())
     engine = profile["engine"]
-    # the launcher binds each worker to its own share of the cores (`vllm_cpu_cores`); engines that share a core
-    # set (more workers than cores) each step at 1/share of the profiled speed while the others step too: the
-    # profile the operator of this host would measure in place
-    names = [n.name for n in parse_config(raw_config(REPO / "configs", [prof_cfg]), source=str(prof_cfg)).nodes()]
-    sets = [vllm_cpu_cores(names, n) for n in names]
-    share = len(sets) / max(1, len(set(sets))) if None not in sets else \
-        nodes / max(1, len(engine.get("cpus", {}).get("engine_cpus") or [0]))
+    # the profile's one engine had a core to itself (its scheduler and executor on it, everything else on the
+    # others: `--isolate`); in the run the `nodes` engines share the host's cores with each other's frontends and
+    # with the roles, so each steps slower: the fit is scaled by engines per profiled core set, the profile an
+    # operator of this host would measure in place. A rough correction: with a core per engine (the launcher's
+    # `vllm_cpu_cores`) a factor of 1 left the live P50 TTFT 67x the simulated one (the arrivals, scaled to the
+    # simulated capacity, overloaded the live engines), 2 left it 4-5x (2026-12-04, 2 engines on 2 cores)
+    share = nodes / max(1, len(engine.get("cpus", {}).get("engine_cpus") or [0]))
     profile["fit"] = {k: float(v) * share for k, v in profile["fit"].items()}
     profile["shared_core_factor"] = share
     (work / "profile-run.json").write_text(json.dumps(profile, indent=1))
