@@ -128,3 +128,31 @@ def test_a_prompt_past_the_models_context_ends_as_an_error_not_a_length_finish(r
     assert len(done) == 1 and done[0].out_tokens == 0
     assert "maximum" in done[0].error and "length" in done[0].error, done[0].error
     assert not eng.live
+
+
+def test_the_speed_belief_learns_the_engines_own_step_time_against_its_price(reference: Reference) -> None:
+    """The live control plane's belief of a vLLM node (`slowdown` in its status): the engine's measured iterations
+    against the price the node is given. Priced 3x too fast, the node is seen about 3x slower than its price; priced
+    3x too slow, about 3x faster. The price is set from this run's own step time, so the test holds on any host."""
+    from pipeline.costmodel.linear import LinearStepCost
+    from pipeline.costmodel.online import SpeedBelief
+
+    eng = reference.engine
+    try:
+        eng.cost = None
+        reference.run([_req(PROMPT + f" warm {i}", 150) for i in range(4)], together=True)
+        steps = sorted(ms for _ts, ms in list(eng.counters.step_ms)[-100:])
+        step = steps[len(steps) // 2]
+        got = {}
+        for scale in (1 / 3, 3.0):
+            eng.cost = LinearStepCost(base_ms=step * scale, per_prefill_token_ms=0.0, per_decode_seq_ms=0.0,
+                                      per_kv_token_ms=0.0)
+            eng.belief = SpeedBelief()
+            eng.counters.shapes.clear()
+            reference.run([_req(PROMPT + f" run {scale} {i}", 150) for i in range(4)], together=True)
+            got[scale] = eng.stats().slowdown
+        assert 1.8 < got[1 / 3] < 5.0, (step, got)
+        assert 0.2 < got[3.0] < 0.55, (step, got)
+    finally:
+        eng.cost = None
+        eng.belief = SpeedBelief()

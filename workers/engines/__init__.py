@@ -52,8 +52,20 @@ def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callabl
         if not vc.model:
             raise ValueError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
         return VllmEngine(vc, now_ms, tensor_parallel_size=vc.tensor_parallel_size or config.node(node).tp,
-                          prefix_block_tokens=config.policies.profiling.prefix_block_tokens)
+                          prefix_block_tokens=config.policies.profiling.prefix_block_tokens,
+                          cost=node_cost(config, node))
     raise ValueError(f"engine {engine!r} not available; available: sim, torch, vllm")
+
+
+def node_cost(config: RackflowConfig, node: str):  # type: ignore[no-untyped-def]
+    """The control plane's price of `node`'s iterations, as its node policies build it (`pipeline.replay.
+    policy_context`): the GPU entry's measured step profile where it names one, else the calibrated model."""
+    profile = config.gpus[config.node(node).gpu].step_profile
+    if profile:
+        from pipeline.costmodel.linear import LinearStepCost
+
+        return LinearStepCost.from_profile(profile)
+    return CalibratedCostModel.for_node(config, node)
 
 
 def _sim_world(config: RackflowConfig, node: str):  # type: ignore[no-untyped-def]

@@ -30,13 +30,18 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import VllmEngineConfig
+from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 from workers.shell.runtime import lower_cpu_priority
+
+if TYPE_CHECKING:
+    from pipeline.routing.node_policies.base import StepTime
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,10 @@ class VllmCounters:
     last_ts: float = 0.0
     step_ms: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=512))
     """(monotonic s, ms since the previous busy iteration) of recent iterations."""
+    shapes: collections.deque[tuple[float, int, int, int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=4096))
+    """The busy iterations not yet given to the speed belief: (ms since the previous iteration, prompts whose prefill
+    ended in it, their tokens computed (not found cached), sequences decoded, KV usage)."""
 
 
 def _stat_logger_factory(counters: VllmCounters) -> Any:
@@ -104,7 +113,11 @@ def _stat_logger_factory(counters: VllmCounters) -> Any:
                     log.warning("vLLM preempted %d sequence(s) (%d since start): its KV cache is oversubscribed, "
                                 "they are recomputed", n_pre, counters.preempted)
                 if counters.running and counters.last_ts:
-                    counters.step_ms.append((now, (now - counters.last_ts) * 1000.0))
+                    ms = (now - counters.last_ts) * 1000.0
+                    counters.step_ms.append((now, ms))
+                    counters.shapes.append((ms, len(iteration_stats.time_to_first_tokens_iter),
+                                            int(iteration_stats.prompt_token_stats.computed),
+                                            len(iteration_stats.inter_token_latencies_iter), counters.kv_usage))
             counters.iterations += 1
             counters.last_ts = now
 
@@ -125,6 +138,38 @@ def kv_bytes_per_token(hf_config: Any, cache_dtype: str, model_dtype: str) -> in
     return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(str(dtype).replace("torch.", ""), 2)
 
 
+def _pin_engine_processes() -> str:
+    """Put every thread of vLLM's own processes (`VLLM::EngineCore`, the scheduler; `VLLM::Worker`, the executor:
+    they run one after the other, a step at a time) on the cores this worker was given (`VLLM_CPU_OMP_THREADS_BIND`,
+    a list of cores such as the launcher's `vllm_cpu_cores` sets), so that two nodes of one host never step on each
+    other's cores; the rackflow worker with vLLM's frontend stays free to run anywhere. Returns the cores, or "" where
+    the binding is vLLM's own (`auto`, `nobind`, or one list per rank)."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if not bind or bind in ("auto", "nobind") or "|" in bind or not hasattr(os, "sched_setaffinity"):
+        return ""
+    try:
+        cpus: set[int] = set()
+        for part in bind.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        return ""
+    from workers.engines.vllm_profile import _tree
+
+    for pid in _tree(os.getpid())[1:]:
+        try:
+            if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::"):
+                continue
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                try:
+                    os.sched_setaffinity(int(t.name), cpus)
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return bind
+
+
 class VllmEngine:
     name = "vllm"
     kv_in_estimate_units = True
@@ -139,7 +184,10 @@ class VllmEngine:
         tensor_parallel_size: int = 1,
         model: str | None = None,
         prefix_block_tokens: int = 512,
+        cost: StepTime | None = None,
     ) -> None:
+        """`cost`: the control plane's price of this node (its step profile or the calibrated model): the prior
+        that the speed belief corrects from vLLM's iterations (None: no belief, `slowdown` stays 1)."""
         try:
             import vllm  # noqa: F401
         except ImportError as e:
@@ -153,6 +201,11 @@ class VllmEngine:
         if not self.model:
             raise EngineError("policies.worker.vllm.model: set the model directory vLLM should serve (--model-dir)")
         self.now_ms = now_ms
+        self.cost = cost
+        self.belief = SpeedBelief()
+        """What vLLM's iterations say of this node's speed against `cost` (reported as `slowdown` and
+        `prefill_slowdown`): the estimator of the simulator's control plane, fed the same way, so a live node's
+        price follows what it does, not what it was profiled to do."""
         self.on_cpu = self._on_cpu()
         self.args: dict[str, Any] = {
             "model": self.model,
@@ -222,6 +275,10 @@ class VllmEngine:
         args = AsyncEngineArgs(**self.args)
         # from_engine_args blocks while the engine core process loads the weights and profiles memory
         self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
+        if self.on_cpu:
+            pinned = _pin_engine_processes()
+            if pinned:
+                log.info("vllm on cpu: its engine core and executor pinned to cores %s", pinned)
         vc = self.engine.vllm_config
         self.tokenizer = self.engine.get_tokenizer()
         self.num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
@@ -396,7 +453,27 @@ class VllmEngine:
         live.first_token_ms = float(snapshot.meta.get("first_token_ms", 0.0))
 
     # -- status ------------------------------------------------------------------------------------------------
+    def _learn_speed(self) -> None:
+        """Feed the iterations vLLM reported since the last status to the belief: each one's time against the prior's
+        price of its shape (prompts whose prefill ended in it, computed tokens spread evenly over them; sequences
+        decoded; KV tokens from the cache's usage). A chunked prompt's earlier chunks are priced as decode steps:
+        the clipped update keeps them from moving the belief far."""
+        shapes, cost = self.counters.shapes, self.cost
+        if cost is None:
+            shapes.clear()
+            return
+        kv_tokens_total = self.num_blocks * self.block_size
+        while shapes:
+            ms, n_pre, computed, n_dec, usage = shapes.popleft()
+            kv = int(usage * kv_tokens_total)
+            pre = [max(1, computed // n_pre)] * n_pre if n_pre and computed else []
+            dec_ms = cost.step_ms((), n_dec, kv) if n_dec else 0.0
+            total = cost.step_ms(pre, n_dec, kv) if pre else dec_ms
+            if total > 0:
+                self.belief.observe(ms, max(0.0, total - dec_ms), dec_ms)
+
     def stats(self) -> EngineStats:
+        self._learn_speed()
         c = self.counters
         now = time.monotonic()
         recent = [ms for ts, ms in c.step_ms if ts >= now - 10.0]
@@ -423,4 +500,5 @@ class VllmEngine:
             max_seqs=self.config.max_num_seqs, prefix_hit_tokens=c.prefix_hits, prompt_tokens=c.prefix_queries,
             kv_blocks_total=self.num_blocks, kv_blocks_free=free_blocks, kv_block_tokens=self.block_size,
             preempted=c.preempted,
+            slowdown=self.belief.decode, prefill_slowdown=self.belief.prefill if self.belief.n_pre else 0.0,
         )

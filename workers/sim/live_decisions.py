@@ -182,6 +182,20 @@ def _figures(ttft: list[float], e2e: list[float]) -> dict[str, float]:
             "e2e_p50_ms": round(percentile(e2e, 50), 1), "e2e_p99_ms": round(percentile(e2e, 99), 1)}
 
 
+def _stages(ok: list[Any]) -> dict[str, float]:
+    """Where a live request's TTFT went, medians over the run: the router (arrival to its rack), the window (rack to
+    batch), the dispatch (batch to the engine's intake) and the engine (intake to its first token: vLLM's queue and
+    the prefill)."""
+    def med(xs: list[float]) -> float:
+        return round(percentile(xs, 50), 1) if xs else 0.0
+
+    ok = [e for e in ok if e.first_token_ms > 0 and e.routed_ms > 0 and e.batched_ms > 0]
+    return {"router": med([e.routed_ms - e.arrival_ms for e in ok]),
+            "window": med([e.batched_ms - e.routed_ms for e in ok]),
+            "dispatch": med([e.start_ms - e.batched_ms for e in ok]),
+            "engine": med([e.first_token_ms - e.start_ms for e in ok])}
+
+
 def _ranking(rows: dict[str, dict[str, float]]) -> list[str]:
     return sorted(rows, key=lambda p: rows[p]["ttft_p99_ms"])
 
@@ -268,7 +282,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 300, load:
                 nodes_used[e.node] = nodes_used.get(e.node, 0) + 1
             live[pol] = {**_figures(report["_ttft"], report["_e2e"]),
                          **{k2: report[k2] for k2 in ("completed", "errors", "lost", "duplicates")},
-                         "per_node": nodes_used}
+                         "per_node": nodes_used, "stages_p50_ms": _stages(ok)}
             raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"]}
             _save_dispatches(ep.redis_url, set(run.submitted),
                              work / f"dispatches-{pol}.jsonl")
@@ -373,6 +387,10 @@ def format_report(out: dict[str, Any]) -> str:
         lines.append(f"{pol:<20}{lv['ttft_p99_ms']:>13.1f}ms{sm['ttft_p99_ms']:>12.1f}ms{lv['ttft_p50_ms']:>8.1f}ms"
                      f"{sm['ttft_p50_ms']:>8.1f}ms{m.get('live_vs_round_robin', 1.0):>10.2f}x"
                      f"{m.get('sim_vs_round_robin', 1.0):>9.2f}x")
+    for pol in out["policies"]:
+        st = out["live"][pol].get("stages_p50_ms")
+        if st:
+            lines.append(f"{pol}: live TTFT by stage, medians: " + ", ".join(f"{k} {v:.1f} ms" for k, v in st.items()))
     lines.append(f"ranking on P99 TTFT: live {' < '.join(out['live_ranking'])}; "
                  f"simulated {' < '.join(out['sim_ranking'])}")
     return "\n".join(lines)
