@@ -360,7 +360,8 @@ def _save_health(redis_url: str, since_ms: float, path: Path) -> None:
 
     r = redis.Redis.from_url(redis_url)
     fields_kept = ("node", "ts_ms", "running", "waiting", "kv_used_kb", "kv_capacity_kb", "kv_blocks_free",
-                   "prefill_tokens", "decode_seqs", "avg_latency_ms", "last_batch_entry")
+                   "prefill_tokens", "decode_seqs", "avg_latency_ms", "last_batch_entry", "slowdown",
+                   "prefill_slowdown")
     try:
         with open(path, "w", encoding="utf-8") as fh:
             last = f"{int(since_ms)}-0"
