@@ -21,7 +21,7 @@ from pipeline.config import TorchEngineConfig, load_config
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot, decode, encode
 from tests.unit.builders import request
-from workers.engines.base import EngineError, SeqFinished, TokenOut
+from workers.engines.base import EngineError, EngineStats, SeqFinished, TokenOut
 from workers.engines.tokenizer import BOS, EOS, ByteTokenizer, HfTokenizer, load_tokenizer, stream_text
 from workers.engines.torch_engine import TorchEngine
 
@@ -488,3 +488,25 @@ def test_local_checkpoint_loads_without_download(tmp_path: Path) -> None:
     assert drain(e).ids("k") == alone("k", PROMPTS["a"], 8)
     with pytest.raises(EngineError, match=r"no config\.json"):
         engine(checkpoint=str(tmp_path / "missing"))
+
+
+def test_the_speed_belief_learns_from_the_iterations_the_engine_runs() -> None:
+    """The node's speed against the price it is given (`cost`), from its own iterations: priced a thousand times too
+    fast it is seen slower than its price (decode and prefill both), priced a thousand times too slow, faster; no
+    iteration's time moves that far whatever the host's load. Without a price the belief stays at 1."""
+    from pipeline.costmodel.linear import LinearStepCost
+
+    def run(scale: float | None) -> EngineStats:
+        e = engine()
+        if scale is not None:
+            e.cost = LinearStepCost(base_ms=0.5 * scale, per_prefill_token_ms=0.01 * scale,
+                                    per_decode_seq_ms=0.05 * scale, per_kv_token_ms=0.0)
+        for i in range(4):
+            e.submit(req(f"s{i}", PROMPTS["b"], max_tokens=20))
+        drain(e)
+        return e.stats()
+
+    fast, slow, none = run(1e-3), run(1e3), run(None)
+    assert fast.slowdown > 5.0 and fast.prefill_slowdown > 5.0, fast
+    assert slow.slowdown < 0.5 and 0.0 < slow.prefill_slowdown < 0.5, slow
+    assert none.slowdown == 1.0 and none.prefill_slowdown == 0.0

@@ -44,7 +44,7 @@ def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callabl
             raise ValueError(
                 f"policies.worker.torch.model: unknown model {tc.model!r}; allowed: {', '.join(sorted(config.models))}"
             )
-        return TorchEngine(tc, spec, now_ms=now_ms)
+        return TorchEngine(tc, spec, now_ms=now_ms, cost=node_cost(config, node))
     if engine == "vllm":
         from workers.engines.vllm_engine import VllmEngine
 

@@ -47,15 +47,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.config import ModelSpec, TorchEngineConfig
+from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 from workers.engines.tokenizer import BOS, BYTE_VOCAB, EOS, PAD, StreamDecoder, TextTokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from pipeline.routing.node_policies.base import StepTime
 
 log = logging.getLogger(__name__)
 
@@ -149,15 +153,23 @@ class TorchEngine:
         *,
         prefill_budget_tokens: int = 8192,
         logits_hook: LogitsHook | None = None,
+        cost: StepTime | None = None,
     ) -> None:
         """`spec`: the shape of `config.model` (a key of `config.models`); ignored when `config.checkpoint` is set.
         `prefill_budget_tokens`: most prompt tokens prefilled in one iteration (at least one prompt always is), so a
         burst of long prompts does not stall the running sequences. `logits_hook(request_id, index, logits)` sees
-        the raw logits of every token chosen (tests, analysis); it runs in the compute thread."""
+        the raw logits of every token chosen (tests, analysis); it runs in the compute thread. `cost`: the control
+        plane's price of this node's iterations, the prior that the speed belief corrects from each iteration it runs
+        (None: no belief, `slowdown` stays 1)."""
         if config.dtype not in _DTYPES:
             raise EngineError(f"torch engine dtype {config.dtype!r} is not supported; use one of {sorted(_DTYPES)}")
         self.config = config
         self.now_ms = now_ms
+        self.cost = cost
+        self.belief = SpeedBelief()
+        """This node's speed against `cost`, from the iterations it runs (their exact shapes: prompt tokens
+        prefilled, sequences decoded, the KV they read): the simulator's estimator, reported as `slowdown` and
+        `prefill_slowdown`."""
         self.prefill_budget_tokens = max(1, prefill_budget_tokens)
         self.logits_hook = logits_hook
         self.dtype = _DTYPES[config.dtype]
@@ -687,6 +699,8 @@ class TorchEngine:
             fresh = {s.rid for s in prefill}
             decode = [s for s in self.running.values() if s.rid not in fresh]
             prefill = [s for s in prefill if s.rid in self.running]
+            shape = ([len(s.tokens) - 1 if s.generated else len(s.prompt) for s in prefill], len(decode),
+                     sum(s.kv_len for s in decode))
             chosen: list[tuple[_Seq, int]] = []
             self.last_decode_batch = len(decode)
             if decode:
@@ -724,11 +738,22 @@ class TorchEngine:
             self.steps += 1
             self.tokens += len(tokens)
             step_ms = (time.perf_counter() - wall0) * 1000.0
+            self._learn_speed(step_ms, *shape)
             self._step_times.append((end, step_ms))
             while self._step_times and self._step_times[0][0] < end - 10_000:
                 self._step_times.popleft()
             self._publish()
             return StepOutput(tuple(tokens), tuple(finished), step_ms)
+
+    def _learn_speed(self, step_ms: float, prefill: list[int], decode_seqs: int, kv_tokens: int) -> None:
+        """One iteration for the belief: its time against the prior's price of its shape, split into the prefill
+        part and the decode part (the same iteration without its prompts)."""
+        if self.cost is None or (not prefill and not decode_seqs):
+            return
+        dec_ms = self.cost.step_ms((), decode_seqs, kv_tokens) if decode_seqs else 0.0
+        total = self.cost.step_ms(prefill, decode_seqs, kv_tokens) if prefill else dec_ms
+        if total > 0:
+            self.belief.observe(step_ms, max(0.0, total - dec_ms), dec_ms)
 
     # -- status ------------------------------------------------------------------------------------------------
     def _publish(self) -> None:
@@ -757,4 +782,5 @@ class TorchEngine:
             steps=self.steps,
             tokens=self.tokens,
             swapped_out=g.swapped,
+            slowdown=self.belief.decode, prefill_slowdown=self.belief.prefill if self.belief.n_pre else 0.0,
         )
