@@ -176,10 +176,11 @@ def test_worker_status_carries_vllms_kv_numbers(vc: VllmCluster) -> None:
     # vLLM's own prefix-cache counters (tokens queried and hit), summed over the nodes
     assert sum(vc.status(n).prompt_tokens for n in NODES) > 0
     assert sum(vc.status(n).prefix_hit_tokens for n in NODES) > 0, "no prefix-cache hit reported by vLLM"
-    # the speed belief learned from vLLM's iterations: these nodes are priced as H100s (no step profile here) and
-    # run on a CPU, so each node that ran is seen slower than its price, within the belief's bounds
+    # the speed belief learned from vLLM's iterations against the node's price (here the calibrated model of the
+    # config's GPU and model, not this CPU's: measured 0.68-0.99), within the belief's bounds; never the prior's 1
     ran = [vc.status(n) for n in NODES if vc.status(n).prompt_tokens > 0]
-    assert ran and all(1.0 < s.slowdown <= 20.0 for s in ran), [(s.node, s.slowdown) for s in ran]
+    assert ran and all(0.2 <= s.slowdown <= 20.0 and s.slowdown != 1.0 for s in ran), \
+        [(s.node, s.slowdown) for s in ran]
 
 
 def test_batcher_budget_matches_vllms_kv_capacity(vc: VllmCluster) -> None:
