@@ -201,7 +201,7 @@ def _ranking(rows: dict[str, dict[str, float]]) -> list[str]:
     return sorted(rows, key=lambda p: rows[p]["ttft_p99_ms"])
 
 
-def live_decisions(policies: list[str] | None = None, requests: int = 300, load: float = 0.5, nodes: int = 2,
+def live_decisions(policies: list[str] | None = None, requests: int = 900, load: float = 0.5, nodes: int = 2,
                    progress: bool = True, keep_dir: Path | None = None, seed: int = 0,
                    kv_blocks: int = KV_BLOCKS) -> dict[str, Any]:
     from pipeline.config import parse_config, raw_config
