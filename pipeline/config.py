@@ -446,6 +446,12 @@ class VllmEngineConfig(_Strict):
     """Eager mode, no CUDA graphs or torch.compile (default: on for the CPU build, off on a GPU)."""
     enable_prefix_caching: bool = True
     """vLLM's automatic prefix caching (a request with prefix_cache=false gets its own cache salt)."""
+    kv_events: bool = True
+    """With prefix caching on, vLLM publishes what its prefix cache stores and evicts (its `kv_events_config`, a
+    ZMQ socket per engine), and the worker turns those blocks into the prefix hashes the batchers' precise index
+    holds (`workers.engines.vllm_kv_events`), as Dynamo's KV router and llm-d's precise scorer consume them. Off,
+    the precise index has nothing from this node, and the policies that read it (work_aware's `precise` index,
+    dynamo, lmetric) see no prefix cached there."""
     ignore_eos: bool = False
     """Run every sequence to max_tokens even past the end-of-sequence token (benchmarks)."""
     cpu_nice: int = Field(default=10, ge=0, le=19)

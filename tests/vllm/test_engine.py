@@ -156,3 +156,91 @@ def test_the_speed_belief_learns_the_engines_own_step_time_against_its_price(ref
     finally:
         eng.cost = None
         eng.belief = SpeedBelief()
+
+
+def _trace_req(hashes: list[int], n_in: int, prefix_cache: bool = True) -> RequestEvent:
+    """A trace-replayed request: a length and the trace's prefix hashes, no text (block k of its prompt is built
+    from hash k, so shared hashes share tokens)."""
+    return RequestEvent(str(uuid.uuid4()), 1, "t", "u", "m", n_in, 4, 4, 1000.0, WALL.now_ms(),
+                        prefix_hashes=tuple(hashes), prefix_cache=prefix_cache)
+
+
+def _held_after(eng: Any, want: set[int], index: Any, timeout_s: float = 10.0) -> set[int]:
+    """Feed the engine's block events to `index` until `want` is held (they come from vLLM's engine core over ZMQ,
+    a moment after the step that stored them) or the time is up; returns what the engine holds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for stored, removed in eng.take_block_events():
+            index.removed("n", removed)
+            index.stored("n", stored)
+        held: set[int] = eng.kv_events.translator.held()
+        if want <= held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.02)
+
+
+def test_vllms_own_kv_events_become_the_prefix_hashes_the_batchers_index(reference: Reference) -> None:
+    """The precise index's feed from a real vLLM engine: what vLLM's prefix cache stored (its KV events, its own
+    128-token block hashes) comes out as the request's own prefix hashes (512-token blocks); a second prompt sharing
+    two of them is known at intake to find 1,024 tokens cached, and vLLM's own counter hits exactly those; a salted
+    prompt (the long-prompt rule) stores nothing the index would match."""
+    from pipeline.routing.prefix_index import BlockIndex
+
+    eng = reference.engine
+    assert eng.kv_events is not None, "kv events are on by default with prefix caching"
+    index = BlockIndex()
+    _held_after(eng, set(), index, 0.0)  # what earlier tests left: the index starts from the engine's state
+    base = 7_000_000 + uuid.uuid4().int % 1_000_000  # fresh ids: the shared engine has served other tests
+    a = _trace_req([base + 1, base + 2, base + 3], 1600)  # 3 full 512-token blocks and a partial one
+    reference.run([a])
+    assert _held_after(eng, {base + 1, base + 2, base + 3}, index) >= {base + 1, base + 2, base + 3}
+    b = _trace_req([base + 1, base + 2, base + 4, base + 5], 2100)
+    assert index.matches(list(b.prefix_hashes))["n"] == 2
+    before = eng.stats()
+
+    async def intake() -> int:
+        eng.submit(b)
+        cached = eng.live[b.request_id].cached
+        while eng.has_work():
+            await eng.step()
+        return cached
+
+    assert reference._call(intake(), 120) == 1024
+    after = eng.stats()
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 1024  # vLLM's own counter: what the index said
+    assert _held_after(eng, {base + 4, base + 5}, index) >= {base + 4, base + 5}
+    salted = _trace_req([base + 6, base + 7], 1100, prefix_cache=False)
+    reference.run([salted])
+    held = _held_after(eng, {base + 6}, index, timeout_s=2.0)
+    assert not held & {base + 6, base + 7}, "a salted prompt's blocks are not prefix hits for anyone"
+
+
+def test_the_speed_belief_does_not_count_idle_time_as_prefill(reference: Reference) -> None:
+    """An iteration after an idle spell is timed from that iteration's start, not from the last one before the
+    spell: requests that arrive one at a time, a second apart, priced at the engine's own step time, leave the
+    prefill belief near 1 (counted, each idle second would read as a prefill hundreds of times its price)."""
+    import time
+
+    from pipeline.costmodel.linear import LinearStepCost
+    from pipeline.costmodel.online import SpeedBelief
+
+    eng = reference.engine
+    try:
+        eng.cost = None
+        reference.run([_req(PROMPT + f" idle warm {i}", 40) for i in range(2)], together=True)
+        steps = sorted(ms for _ts, ms in list(eng.counters.step_ms)[-60:])
+        step = steps[len(steps) // 2]
+        eng.cost = LinearStepCost(base_ms=step, per_prefill_token_ms=0.0, per_decode_seq_ms=0.0, per_kv_token_ms=0.0)
+        eng.belief = SpeedBelief()
+        eng.counters.shapes.clear()
+        for i in range(5):
+            time.sleep(1.0)
+            reference.run([_req(PROMPT + f" idle {i}", 8)])
+        s = eng.stats()
+        assert eng.belief.n_pre >= 3, "every request's first iteration prefills"
+        assert s.prefill_slowdown < 4.0, (step, s.prefill_slowdown, s.slowdown)
+    finally:
+        eng.cost = None
+        eng.belief = SpeedBelief()

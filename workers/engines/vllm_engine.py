@@ -8,6 +8,9 @@ vLLM runs its own continuous batching and paged KV cache; this adapter turns its
 - abort: `AsyncLLM.abort(request_id)` (and the generation task is cancelled);
 - prefix caching is on; a request the seed's long-prompt rule keeps out of the cache (`prefix_cache=False`) gets a
   unique `cache_salt`, so it neither reads nor seeds the shared blocks;
+- block events: vLLM's own KV-cache events (what its prefix cache stored and evicted) come over ZMQ and are turned
+  into rackflow's prefix hashes (`workers.engines.vllm_kv_events`), which the worker publishes to the batchers'
+  precise index after every step (`take_block_events`), as the sim engine's cache does;
 - stats: vLLM's real figures from a stat logger attached to the engine: KV blocks (total, free), KV-cache usage,
   running and waiting sequences, and prefix-cache queries and hits (tokens). The node's KV capacity is vLLM's
   allocated blocks x block size x KV bytes per token, so the batcher's memory budget is what vLLM really holds;
@@ -26,6 +29,7 @@ import asyncio
 import collections
 import logging
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +42,7 @@ from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
+from workers.engines.vllm_kv_events import BlockChanges, VllmKvEvents
 from workers.shell.runtime import lower_cpu_priority
 
 if TYPE_CHECKING:
@@ -61,6 +66,8 @@ class _Live:
     task: asyncio.Task[None] | None = None
     stop_at: int = 0
     """A trace replay's true length where it is below max_tokens (the sequence then ends with "stop"); 0: none."""
+    cached: int = 0
+    """Prompt tokens this engine held cached at intake (its KV events): not queued for prefill."""
 
 
 @dataclass(slots=True)
@@ -78,6 +85,10 @@ class VllmCounters:
     preempt_logged: float = 0.0
     iterations: int = 0
     last_ts: float = 0.0
+    busy: bool = False
+    """The last iteration left sequences running or waiting: the engine steps again at once."""
+    woken: float = 0.0
+    """When the first request since the engine went idle was submitted (monotonic s; 0: none yet)."""
     step_ms: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=512))
     """(monotonic s, ms since the previous busy iteration) of recent iterations."""
     shapes: collections.deque[tuple[float, int, int, int, float]] = field(
@@ -112,14 +123,23 @@ def _stat_logger_factory(counters: VllmCounters) -> Any:
                     counters.preempt_logged = now
                     log.warning("vLLM preempted %d sequence(s) (%d since start): its KV cache is oversubscribed, "
                                 "they are recomputed", n_pre, counters.preempted)
-                if counters.running and counters.last_ts:
-                    ms = (now - counters.last_ts) * 1000.0
+                # an iteration's time is the gap since the previous one where the engine went straight on from it
+                # (that one left sequences running or waiting); after an idle spell, since the first request that
+                # woke it was submitted. Timed from the last iteration before the spell, the idle time counted as
+                # prefill (the first iteration after it prefills), so a node that idles more (it gets fewer
+                # requests) looked slower and got fewer still (measured: one of two nodes learned a prefill
+                # slowdown of 5 and was sent a third of the requests)
+                start = counters.last_ts if counters.busy else counters.woken
+                if counters.running and start:
+                    ms = (now - start) * 1000.0
                     counters.step_ms.append((now, ms))
                     counters.shapes.append((ms, len(iteration_stats.time_to_first_tokens_iter),
                                             int(iteration_stats.prompt_token_stats.computed),
                                             len(iteration_stats.inter_token_latencies_iter), counters.kv_usage))
             counters.iterations += 1
             counters.last_ts = now
+            counters.busy = bool(counters.running or counters.waiting)
+            counters.woken = 0.0
 
         def log_engine_initialized(self) -> None:
             pass
@@ -239,6 +259,11 @@ class VllmEngine:
             self.args["kv_transfer_config"] = KVTransferConfig(
                 kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra
             )
+        self.kv_events: VllmKvEvents | None = None
+        if config.enable_prefix_caching and config.kv_events and "kv_events_config" not in config.extra_engine_args:
+            path = Path(tempfile.gettempdir()) / f"rackflow-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+            self.kv_events = VllmKvEvents(f"ipc://{path}", self.prefix_block_tokens)
+            self.args["kv_events_config"] = self.kv_events.engine_config()
         self.engine: Any = None
         self.tokenizer: Any = None
         self.counters = VllmCounters()
@@ -301,6 +326,8 @@ class VllmEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # -- intake ------------------------------------------------------------------------------------------------
     def prompt_ids(self, req: RequestEvent) -> list[int]:
@@ -339,6 +366,12 @@ class VllmEngine:
         vrid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         live = _Live(req, prompt_ids, vrid, list(generated), start_ms=self.now_ms())
         self.live[req.request_id] = live
+        if not self.counters.busy and not self.counters.woken:
+            self.counters.woken = time.monotonic()  # this request wakes an idle engine: its iteration starts now
+        if self.kv_events is not None and req.prefix_cache and req.prefix_hashes:
+            tr = self.kv_events.translator
+            tr.alias(prompt_ids, req.prefix_hashes)
+            live.cached = min(len(prompt_ids) - 1, tr.matched_blocks(req.prefix_hashes) * self.prefix_block_tokens)
         # a trace replayed on the engine (random weights have no natural end): the answer stops at the trace's true
         # length (`sim_out_tokens`) where that is below the client's max_tokens, with finish_reason "stop", as the sim
         # engine does; the control plane never sees it
@@ -364,6 +397,10 @@ class VllmEngine:
         except Exception as e:  # reported as a finished sequence with an error reason
             log.exception("vllm request %s failed", rid)
             self._outbox.put_nowait((rid, vrid, [], "", True, f"error: {e}"))
+
+    def take_block_events(self) -> list[BlockChanges]:
+        """What vLLM's prefix cache stored and evicted since the last call, as prefix hashes (its KV events)."""
+        return self.kv_events.poll() if self.kv_events is not None else []
 
     def has_work(self) -> bool:
         return bool(self.live) or not self._outbox.empty()
@@ -485,7 +522,7 @@ class VllmEngine:
                 decode_seqs += 1
                 decode_tokens += len(live.prompt_ids) + len(live.generated)
             else:
-                prefill += len(live.prompt_ids)
+                prefill += len(live.prompt_ids) - live.cached
         free_blocks = round(self.num_blocks * (1.0 - usage))
         cap_gb = self.kv_capacity_kb / 1e6
         return EngineStats(
