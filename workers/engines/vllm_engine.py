@@ -70,6 +70,41 @@ class _Live:
     """Prompt tokens this engine held cached at intake (its KV events): not queued for prefill."""
 
 
+LEARN_DECODE_MS = 200.0
+"""Predicted decode time summed before one observation of the speed belief (VllmEngine._learn_speed)..."""
+LEARN_DECODE_ITERS = 64
+"""... or this many decode-only iterations."""
+LEARN_PREFILL_MS = 100.0
+"""Predicted prefill time summed before one observation of the prefill factor..."""
+LEARN_PREFILL_ITERS = 8
+"""... or this many iterations with a prefill."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Iterations summed for one observation of the speed belief: measured time, predicted prefill and decode."""
+
+    ms: float = 0.0
+    pre: float = 0.0
+    dec: float = 0.0
+    n: int = 0
+
+    def add(self, ms: float, pre: float, dec: float) -> None:
+        self.ms += ms
+        self.pre += pre
+        self.dec += dec
+        self.n += 1
+
+    def ready(self, predicted_ms: float, iterations: int) -> bool:
+        return (self.pre if self.pre > 0 else self.dec) >= predicted_ms or self.n >= iterations
+
+    def take(self) -> tuple[float, float, float]:
+        out = (self.ms, self.pre, self.dec)
+        self.ms = self.pre = self.dec = 0.0
+        self.n = 0
+        return out
+
+
 @dataclass(slots=True)
 class VllmCounters:
     """What vLLM's scheduler reported last (gauges) and since the engine started (counters)."""
@@ -223,6 +258,8 @@ class VllmEngine:
         self.now_ms = now_ms
         self.cost = cost
         self.belief = SpeedBelief()
+        self._pend_dec = _Pending()
+        self._pend_pre = _Pending()
         """What vLLM's iterations say of this node's speed against `cost` (reported as `slowdown` and
         `prefill_slowdown`): the estimator of the simulator's control plane, fed the same way, so a live node's
         price follows what it does, not what it was profiled to do."""
@@ -494,20 +531,43 @@ class VllmEngine:
         """Feed the iterations vLLM reported since the last status to the belief: each one's time against the prior's
         price of its shape (prompts whose prefill ended in it, computed tokens spread evenly over them; sequences
         decoded; KV tokens from the cache's usage). A chunked prompt's earlier chunks are priced as decode steps:
-        the clipped update keeps them from moving the belief far."""
+        the clipped update keeps them from moving the belief far.
+
+        Iterations are summed before they reach the belief (`_Pending`: decode-only ones until LEARN_DECODE_MS of
+        predicted time or LEARN_DECODE_ITERS of them, those with a prefill until LEARN_PREFILL_MS of predicted
+        prefill or LEARN_PREFILL_ITERS of them), one observation per sum:
+        an iteration's time here is the gap between two of vLLM's reports in this process, which jitters by
+        milliseconds on a busy host against a step of a few, and fed one by one the decode belief of two equal
+        nodes swung between 0.2 and 1.2 within seconds (measured in the decisions tier), so that work_aware, whose
+        price of a request's decode follows it, chose between them by that noise. A sum of tens of iterations is a
+        ratio of sums, steady to a few percent; the simulator's engines report exact iteration times and feed the
+        belief one by one."""
         shapes, cost = self.counters.shapes, self.cost
         if cost is None:
             shapes.clear()
             return
         kv_tokens_total = self.num_blocks * self.block_size
+        dec, pre = self._pend_dec, self._pend_pre
         while shapes:
             ms, n_pre, computed, n_dec, usage = shapes.popleft()
             kv = int(usage * kv_tokens_total)
-            pre = [max(1, computed // n_pre)] * n_pre if n_pre and computed else []
+            pre_shape = [max(1, computed // n_pre)] * n_pre if n_pre and computed else []
             dec_ms = cost.step_ms((), n_dec, kv) if n_dec else 0.0
-            total = cost.step_ms(pre, n_dec, kv) if pre else dec_ms
-            if total > 0:
-                self.belief.observe(ms, max(0.0, total - dec_ms), dec_ms)
+            total = cost.step_ms(pre_shape, n_dec, kv) if pre_shape else dec_ms
+            if total <= 0:
+                continue
+            bucket = pre if pre_shape else dec
+            bucket.add(ms, max(0.0, total - dec_ms), dec_ms)
+            if bucket.ready(*((LEARN_PREFILL_MS, LEARN_PREFILL_ITERS) if pre_shape else
+                              (LEARN_DECODE_MS, LEARN_DECODE_ITERS))):
+                self.belief.observe(*bucket.take())
+
+    def reset_belief(self) -> None:
+        """Forget what the belief learned (and the iterations summed for it): the node's price starts over."""
+        self.belief = SpeedBelief()
+        self._pend_dec = _Pending()
+        self._pend_pre = _Pending()
+        self.counters.shapes.clear()
 
     def stats(self) -> EngineStats:
         self._learn_speed()

@@ -287,7 +287,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 900, load:
             raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"]}
             _save_dispatches(ep.redis_url, set(run.submitted),
                              work / f"dispatches-{pol}.jsonl")
-            _save_health(ep.redis_url, t_run_ms, work / f"health-{pol}.jsonl")
+            live[pol]["prefix_hit_rate"] = _save_health(ep.redis_url, t_run_ms, work / f"health-{pol}.jsonl")
     finally:
         restore_affinity(split)
         procs.stop()
@@ -350,9 +350,11 @@ def _save_dispatches(redis_url: str, ids: set[str], path: Path) -> None:
         r.close()
 
 
-def _save_health(redis_url: str, since_ms: float, path: Path) -> None:
+def _save_health(redis_url: str, since_ms: float, path: Path) -> float | None:
     """The workers' heartbeats on `rf:health` since `since_ms` (running, waiting, KV used, the last batch entry
-    read), one JSON line each: what a node the batcher kept skipping looked like to it."""
+    read), one JSON line each: what a node the batcher kept skipping looked like to it. Returns the engines' own
+    prefix hit rate over those heartbeats (vLLM's counters of prompt tokens found cached, summed over the nodes; None
+    without two heartbeats of a node)."""
     import redis
 
     from pipeline.events import HealthEvent
@@ -362,21 +364,28 @@ def _save_health(redis_url: str, since_ms: float, path: Path) -> None:
     r = redis.Redis.from_url(redis_url)
     fields_kept = ("node", "ts_ms", "running", "waiting", "kv_used_kb", "kv_capacity_kb", "kv_blocks_free",
                    "prefill_tokens", "decode_seqs", "avg_latency_ms", "last_batch_entry", "slowdown",
-                   "prefill_slowdown")
+                   "prefill_slowdown", "prefix_hit_tokens", "prompt_tokens")
+    first: dict[str, tuple[int, int]] = {}
+    last: dict[str, tuple[int, int]] = {}
     try:
         with open(path, "w", encoding="utf-8") as fh:
-            last = f"{int(since_ms)}-0"
+            last_id = f"{int(since_ms)}-0"
             while True:
-                rows = r.xrange(keys.HEALTH, min=f"({last}", max="+", count=2000)
+                rows = r.xrange(keys.HEALTH, min=f"({last_id}", max="+", count=2000)
                 if not rows:
                     break
                 for _id, fields in rows:
                     ev = decode(fields)
                     if isinstance(ev, HealthEvent) and ev.source == "worker":
                         fh.write(json.dumps({k: getattr(ev, k) for k in fields_kept}) + "\n")
-                last = rows[-1][0].decode()
+                        first.setdefault(ev.node, (ev.prefix_hit_tokens, ev.prompt_tokens))
+                        last[ev.node] = (ev.prefix_hit_tokens, ev.prompt_tokens)
+                last_id = rows[-1][0].decode()
     finally:
         r.close()
+    hits = sum(last[n][0] - first[n][0] for n in last)
+    prompt = sum(last[n][1] - first[n][1] for n in last)
+    return round(hits / prompt, 4) if prompt > 0 else None
 
 
 def format_report(out: dict[str, Any]) -> str:
@@ -393,6 +402,10 @@ def format_report(out: dict[str, Any]) -> str:
         st = out["live"][pol].get("stages_p50_ms")
         if st:
             lines.append(f"{pol}: live TTFT by stage, medians: " + ", ".join(f"{k} {v:.1f} ms" for k, v in st.items()))
+        hit = out["live"][pol].get("prefix_hit_rate")
+        lines.append(f"{pol}: prefix hit rate live {'-' if hit is None else f'{hit:.3f}'}, simulated "
+                     f"{out['sim'][pol]['prefix_hit_rate']:.3f}; requests per node live {out['live'][pol]['per_node']},"
+                     f" simulated {out['sim'][pol]['per_node']}")
     lines.append(f"ranking on P99 TTFT: live {' < '.join(out['live_ranking'])}; "
                  f"simulated {' < '.join(out['sim_ranking'])}")
     return "\n".join(lines)
