@@ -289,9 +289,11 @@ class WorkAwareParams(_Strict):
     """Constants of the `work_aware` policy (rackflow's default): a request goes where its predicted cost, in
     milliseconds of the node's own cost model, is lowest (see pipeline/routing/node_policies/work_aware.py)."""
 
-    e2e_weight: float = Field(default=0.3, ge=0, le=100)
+    e2e_weight: float = Field(default=0.1, ge=0, le=100)
     """Weight of the request's own decode time ((out - 1) x the node's decode step with it added) next to its time to
-    first token; 0 prices the first token alone."""
+    first token; 0 prices the first token alone. Tuned on the tuning traces with the late-binding hold on
+    (`rackflow sim matrix`, docs/SIMULATOR.md): 0.1 puts the default within 3% of the best in 30 of 36 cells on
+    goodput and 22 of 27 on P99 TTFT, against 28 and 22 with 0.3 and 24 and 23 with 0."""
     others_weight: float = Field(default=0.06, ge=0, le=100)
     """Weight of what the request's prefill costs the sequences already decoding on the node (their iterations
     stretch while its chunks run)."""
@@ -369,24 +371,29 @@ class BatcherPolicy(_Strict):
     """A request that waited this many windows is packed first and may reserve a node (no starvation)."""
     close_when_node_idle: bool = True
     """Close the window at once when a node of the rack has no running sequence."""
-    max_queued_prefill_tokens: int = Field(default=16384, ge=0, le=100_000_000)
+    max_queued_prefill_tokens: int = Field(default=8192, ge=0, le=100_000_000)
     """Late binding (`late_binding`): a node with this many prompt tokens queued for prefill (its engine's queue plus
     what was sent to it and not admitted yet) gets no more late-bound work until it drains below: the queue waits in
-    the batcher, where any node that frees up can take it (0: no bound, only memory and slots)."""
-    late_binding: Literal["none", "policy", "all"] = "none"
+    the batcher, where any node that frees up can take it (0: no bound, only memory and slots). One iteration's
+    token budget (8,192): tuned on the tuning traces, 4,096 / 8,192 / 12,288 / 16,384 / 32,768 put the default within
+    3% of the best goodput in 29 / 28 / 25 / 23 / 21 of 36 cells (with `work_aware.e2e_weight` 0.3); a horizon in
+    milliseconds of the node's own prefill (150-300 ms) instead did worse than 8,192 tokens (29-31 of 36 against
+    34, with `others_weight` 0.1)."""
+    late_binding: Literal["none", "policy", "all"] = "policy"
     """Which requests wait in the batcher until a node can start them now (under `max_queued_prefill_tokens` of
     queued prefill): `none` (every request goes out as soon as a node has memory and a slot for it, as the anchors'
     routers do), `policy` (requests of policies that ask for it: work_aware, for a request whose prefix no node has
-    cached), `all` (every node policy). A held request is placed smallest first (the batcher's memory order), so
-    under a burst short prompts are not queued behind long ones in an engine's FIFO, until it has waited
+    cached; the default), `all` (every node policy). A held request is placed smallest first (the batcher's memory
+    order), so under a burst short prompts are not queued behind long ones in an engine's FIFO, until it has waited
     `late_age_after_windows` windows; then it ages (oldest first) and goes wherever memory and a slot allow. The
     queue in front of the engines is llm-d's flow control's (requests held in the gateway while the pool is
     saturated); the order is shortest-job-first with aging. Measured oracle-free with `rackflow sim matrix`
-    (docs/SIMULATOR.md, "The decision matrix"), with `work_aware.idle_margin_ms`: `policy` puts the default within 3%
-    of the best goodput in 23 of 36 tuning cells (20 with `none`) and of the best P99 TTFT in 21 of 27 (18), 11 of 12
-    and 9 of 9 on the test trace (12 and 9); but it keeps queued work out of the engines, and where memory binds
-    (`rackflow sim experiment window-batching`, Mooncake at saturation) the KV peak falls from 0.855 to 0.836, under
-    the 0.85 target. So `none` stays the default until the hold keeps the engines' memory as full."""
+    (docs/SIMULATOR.md, "The decision matrix"): with the 8,192-token horizon and `work_aware.e2e_weight` 0.1,
+    `policy` puts the default within 3% of the best goodput in 30 of 36 tuning cells (20 with `none` and the earlier
+    constants) and of the best P99 TTFT in 22 of 27 (18); on the held-out trace 11 of 12 and 9 of 9 (12 and 9).
+    Where memory binds (`rackflow sim experiment window-batching`, Mooncake at saturation) the KV peak is 0.867
+    with 0 preempted (0.855 before). That peak moves with the node policy's constants by several points either way
+    (0.79-0.87 over the constants tried), as the hold and the policy decide how deep the engines' queues run."""
     late_age_after_windows: int = Field(default=40, ge=1, le=10_000)
     """A late-bound request held this many windows ages: it is placed first, oldest first, and no longer waits for
     a node under its prefill horizon (the bound on how long shortest-first can hold a long prompt back). Tuned on
