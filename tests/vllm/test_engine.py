@@ -130,6 +130,15 @@ def test_a_prompt_past_the_models_context_ends_as_an_error_not_a_length_finish(r
     assert not eng.live
 
 
+def _median_step(reference: Reference, tag: str, requests: int, tokens: int) -> float:
+    """The engine's median iteration time (ms) over `requests` sequences of `tokens` decoded together, unpriced."""
+    eng = reference.engine
+    eng.cost = None
+    reference.run([_req(PROMPT + f" {tag} {i}", tokens) for i in range(requests)], together=True)
+    steps = sorted(ms for _ts, ms in list(eng.counters.step_ms)[-(requests * tokens) // 6:])
+    return steps[len(steps) // 2]
+
+
 def test_the_speed_belief_learns_the_engines_own_step_time_against_its_price(reference: Reference) -> None:
     """The live control plane's belief of a vLLM node (`slowdown` in its status): the engine's measured iterations
     against the price the node is given. Priced 3x too fast, the node is seen about 3x slower than its price; priced
@@ -138,10 +147,7 @@ def test_the_speed_belief_learns_the_engines_own_step_time_against_its_price(ref
 
     eng = reference.engine
     try:
-        eng.cost = None
-        reference.run([_req(PROMPT + f" warm {i}", 150) for i in range(4)], together=True)
-        steps = sorted(ms for _ts, ms in list(eng.counters.step_ms)[-100:])
-        step = steps[len(steps) // 2]
+        step = _median_step(reference, "warm", 4, 150)
         got = {}
         for scale in (1 / 3, 3.0):
             eng.cost = LinearStepCost(base_ms=step * scale, per_prefill_token_ms=0.0, per_decode_seq_ms=0.0,
@@ -225,10 +231,7 @@ def test_the_speed_belief_does_not_count_idle_time_as_prefill(reference: Referen
 
     eng = reference.engine
     try:
-        eng.cost = None
-        reference.run([_req(PROMPT + f" idle warm {i}", 40) for i in range(2)], together=True)
-        steps = sorted(ms for _ts, ms in list(eng.counters.step_ms)[-60:])
-        step = steps[len(steps) // 2]
+        step = _median_step(reference, "idle warm", 2, 40)
         eng.cost = LinearStepCost(base_ms=step, per_prefill_token_ms=0.0, per_decode_seq_ms=0.0, per_kv_token_ms=0.0)
         eng.reset_belief()
         for i in range(10):
