@@ -222,9 +222,10 @@ def test_vllms_own_kv_events_become_the_prefix_hashes_the_batchers_index(referen
 
 
 def test_the_speed_belief_does_not_count_idle_time_as_prefill(reference: Reference) -> None:
-    """An iteration after an idle spell is timed from that iteration's start, not from the last one before the
-    spell: requests that arrive one at a time, half a second apart, priced at the engine's own step time, leave the
-    prefill belief near 1 (counted, each idle spell would read as a prefill hundreds of times its price)."""
+    """An iteration after an idle spell is timed from the submission of the request that woke the engine, not from
+    the last iteration before the spell: requests that arrive one at a time, half a second apart, priced at the
+    engine's own step time, leave the prefill belief a few times that price (counted, each idle spell would read as a
+    prefill hundreds of times its price, and the belief would sit at its clip)."""
     import time
 
     from pipeline.costmodel.linear import LinearStepCost
@@ -239,7 +240,10 @@ def test_the_speed_belief_does_not_count_idle_time_as_prefill(reference: Referen
             reference.run([_req(PROMPT + f" idle {i}", 8)])
         s = eng.stats()
         assert eng.belief.n_pre >= 1, "every request's first iteration prefills: 10 of them make an observation"
-        assert s.prefill_slowdown < 4.0, (step, s.prefill_slowdown, s.slowdown)
+        # the price is a decode step (2 ms here); the first iteration prefills a short prompt after vLLM's frontend
+        # took it in: 2-5x that price (4.3 seen beside the vLLM tier's other tests). Counted, each half-second idle
+        # spell is hundreds of times the price, and the belief sits at its clip, 20
+        assert s.prefill_slowdown < 10.0, (step, s.prefill_slowdown, s.slowdown)
     finally:
         eng.cost = None
         eng.reset_belief()

@@ -258,11 +258,11 @@ class VllmEngine:
         self.now_ms = now_ms
         self.cost = cost
         self.belief = SpeedBelief()
-        self._pend_dec = _Pending()
-        self._pend_pre = _Pending()
         """What vLLM's iterations say of this node's speed against `cost` (reported as `slowdown` and
         `prefill_slowdown`): the estimator of the simulator's control plane, fed the same way, so a live node's
         price follows what it does, not what it was profiled to do."""
+        self._pend_dec = _Pending()
+        self._pend_pre = _Pending()
         self.on_cpu = self._on_cpu()
         self.args: dict[str, Any] = {
             "model": self.model,
