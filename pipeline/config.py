@@ -377,8 +377,8 @@ class BatcherPolicy(_Strict):
     the batcher, where any node that frees up can take it (0: no bound, only memory and slots). One iteration's
     token budget (8,192): tuned on the tuning traces, 4,096 / 8,192 / 12,288 / 16,384 / 32,768 put the default within
     3% of the best goodput in 29 / 28 / 25 / 23 / 21 of 36 cells (with `work_aware.e2e_weight` 0.3); a horizon in
-    milliseconds of the node's own prefill (150-300 ms) instead did worse than 8,192 tokens (29-31 of 36 against
-    34, with `others_weight` 0.1)."""
+    milliseconds of the node's own prefill (150-300 ms; tried and not kept) did worse than 8,192 tokens (29-31 of 36
+    against 34, with `others_weight` 0.1)."""
     late_binding: Literal["none", "policy", "all"] = "policy"
     """Which requests wait in the batcher until a node can start them now (under `max_queued_prefill_tokens` of
     queued prefill): `none` (every request goes out as soon as a node has memory and a slot for it, as the anchors'

@@ -17,6 +17,7 @@ import array
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.config import TokenRates
 
@@ -105,6 +106,23 @@ def _solve(a: list[list[float]], y: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
+def new_prefix_chain() -> Any:
+    """The running hash a chain of prefix blocks starts from (blake2b, 8 bytes): feed it each block's bytes in order
+    (`token_block_bytes` for token ids) and read a block's prefix hash with `chain_hash`."""
+    return hashlib.blake2b(digest_size=8)
+
+
+def token_block_bytes(token_ids: Sequence[int]) -> bytes:
+    """The bytes a run of token ids adds to a prefix chain (one unsigned 32-bit int each): a block may be fed in
+    pieces, the chain's hash is the same."""
+    return array.array("I", token_ids).tobytes()
+
+
+def chain_hash(running: Any) -> int:
+    """The 63-bit prefix hash of everything fed to `running` so far (the chain itself goes on)."""
+    return int.from_bytes(running.copy().digest(), "big") & _HASH_MASK
+
+
 def prefix_hashes_from_text(text: str, block_bytes: int) -> tuple[int, ...]:
     """Chained 63-bit hashes of the text's full blocks of `block_bytes` UTF-8 bytes (a partial last block is not a
     cacheable block). Equal prefixes give equal leading hashes; without a tokenizer, blocks are cut in bytes."""
@@ -112,10 +130,10 @@ def prefix_hashes_from_text(text: str, block_bytes: int) -> tuple[int, ...]:
         raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
     data = memoryview(text.encode("utf-8", "surrogatepass"))
     out: list[int] = []
-    running = hashlib.blake2b(digest_size=8)  # hash of the whole prefix up to each block boundary
+    running = new_prefix_chain()  # hash of the whole prefix up to each block boundary
     for start in range(0, len(data) - block_bytes + 1, block_bytes):
         running.update(data[start : start + block_bytes])
-        out.append(int.from_bytes(running.copy().digest(), "big") & _HASH_MASK)
+        out.append(chain_hash(running))
     return tuple(out)
 
 
@@ -124,8 +142,8 @@ def prefix_hashes_from_ids(token_ids: Sequence[int], block_tokens: int) -> tuple
     when a tokenizer ran."""
 
     out: list[int] = []
-    running = hashlib.blake2b(digest_size=8)
+    running = new_prefix_chain()
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        running.update(array.array("I", token_ids[start : start + block_tokens]).tobytes())
-        out.append(int.from_bytes(running.copy().digest(), "big") & _HASH_MASK)
+        running.update(token_block_bytes(token_ids[start : start + block_tokens]))
+        out.append(chain_hash(running))
     return tuple(out)

@@ -27,18 +27,15 @@ blocking once per engine step (`poll`)."""
 
 from __future__ import annotations
 
-import array
-import hashlib
 import logging
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-log = logging.getLogger(__name__)
+from pipeline.tokens import chain_hash, new_prefix_chain, prefix_hashes_from_ids, token_block_bytes
 
-_HASH_MASK = (1 << 63) - 1
-"""pipeline.tokens' mask: prefix hashes are 63-bit."""
+log = logging.getLogger(__name__)
 
 BlockChanges = tuple[tuple[int, ...], tuple[int, ...]]
 """(stored, removed) prefix hashes, in the order the engine made the changes: what `take_block_events` returns."""
@@ -65,14 +62,9 @@ class BlockTranslator:
         """A request's prompt, at intake: its k-th 512-token block is known to the router as `prefix_hashes[k]`."""
         if not prefix_hashes:
             return
-        running = hashlib.blake2b(digest_size=8)
-        bt, alias = self.bt, self._alias
-        for k, h in enumerate(prefix_hashes):
-            end = (k + 1) * bt
-            if end > len(token_ids):
-                break
-            running.update(array.array("I", token_ids[k * bt : end]).tobytes())
-            mine = int.from_bytes(running.copy().digest(), "big") & _HASH_MASK
+        alias = self._alias
+        for mine, h in zip(prefix_hashes_from_ids(token_ids[: len(prefix_hashes) * self.bt], self.bt), prefix_hashes,
+                           strict=False):
             alias[mine] = int(h)
             alias.move_to_end(mine)
         while len(alias) > self.max_aliases:
@@ -99,7 +91,7 @@ class BlockTranslator:
             self.skipped += len(block_hashes)
             return ()
         if parent is None:
-            pos, running = 0, hashlib.blake2b(digest_size=8)
+            pos, running = 0, new_prefix_chain()
         else:
             known = self._chain.get(parent)
             if known is None:
@@ -121,12 +113,12 @@ class BlockTranslator:
             cut = 0
             # every 512-token boundary inside (start, start + block_size]: hash up to it, then go on
             for b in range((start // bt + 1) * bt, start + block_size + 1, bt):
-                running.update(array.array("I", ids[cut : b - start]).tobytes())
+                running.update(token_block_bytes(ids[cut : b - start]))
                 cut = b - start
-                mine = int.from_bytes(running.copy().digest(), "big") & _HASH_MASK
+                mine = chain_hash(running)
                 boundaries.append(self._alias.get(mine, mine))
             if cut < block_size:
-                running.update(array.array("I", ids[cut:]).tobytes())
+                running.update(token_block_bytes(ids[cut:]))
             pos = start + block_size
             if vh in self._chain:  # stored again without a removal between: its hashes are counted already
                 self._chain[vh] = (pos, running.copy())

@@ -467,6 +467,10 @@ class Worker:
             if not self.engine.has_work():
                 if stop.is_set():
                     return
+                # what the engine's prefix cache reported after its last step (vLLM's KV events arrive over a socket,
+                # a moment after the step that stored them): published now, not at the next request's first step,
+                # so that the next turn of a conversation finds its prefix in the batchers' index
+                await self._publish_blocks()
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.2)
