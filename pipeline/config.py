@@ -390,7 +390,8 @@ class BatcherPolicy(_Strict):
     saturated); the order is shortest-job-first with aging. Measured oracle-free with `rackflow sim matrix`
     (docs/SIMULATOR.md, "The decision matrix"): with the 8,192-token horizon and `work_aware.e2e_weight` 0.1,
     `policy` puts the default within 3% of the best goodput in 30 of 36 tuning cells (20 with `none` and the earlier
-    constants) and of the best P99 TTFT in 22 of 27 (18); on the held-out trace 11 of 12 and 9 of 9 (12 and 9).
+    constants) and of the best P99 TTFT in 22 of 27 (18); on the held-out conversation trace 11 of 12 and 9 of 9 (12
+    and 9), on the held-out DeepSeek-R1 hour (added later, never tuned on) 8 of 12 and 4 of 9.
     Where memory binds (`rackflow sim experiment window-batching`, Mooncake at saturation) the KV peak is 0.867
     with 0 preempted (0.855 before). That peak moves with the node policy's constants by several points either way
     (0.79-0.87 over the constants tried), as the hold and the policy decide how deep the engines' queues run."""

@@ -45,6 +45,7 @@ SHIPPED = [
     Shipped("mooncake-fast25/conversation_trace.jsonl", parse_mooncake, 12_031, 12035.1, 342.6, 58.95, 0.3736,
             "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"),
     Shipped("synthetic/multiturn.jsonl", parse_mooncake, 3_937, 3995.8, 252.1, 21.51, 0.8142),
+    Shipped("servegen/deepseek-r1-busiest-hour.jsonl", parse_mooncake, 13_012, 700.0, 811.2, 60.0, 0.0),
 ]
 IDS = [s.path for s in SHIPPED]
 

@@ -93,13 +93,49 @@ COMPARE_POLICIES = "round_robin,weighted,least_outstanding,kv_aware,work_aware"
 MULTITURN = REPO / "data" / "traces" / "synthetic" / "multiturn.jsonl"
 
 
+SERVEGEN_R1 = REPO / "data" / "traces" / "servegen" / "deepseek-r1-busiest-hour.jsonl"
+
+
+def cmd_trace_servegen(args: argparse.Namespace) -> int:
+    """`rackflow sim trace servegen --data DIR [--hour H] [--keep P] [--out PATH]`: draw an hour of requests from
+    ServeGen's client data for one model (workers/sim/servegen.py; Mooncake JSONL + user_id, no prefix hashes)."""
+    from pipeline.sim.traces import TraceError, to_jsonl
+    from workers.sim.servegen import busiest_hour, draw, load_clients, summary
+
+    if not args.data:
+        print("rackflow sim trace servegen: give --data DIR, a model's directory of ServeGen data (e.g. "
+              "ServeGen/data/reason/deepseek-r1: its chunk-N-trace.csv and chunk-N-dataset.json files)",
+              file=sys.stderr)
+        return 2
+    try:
+        clients = load_clients(Path(args.data))
+        hour = busiest_hour(clients) if args.hour is None else args.hour
+        if not 0 <= hour <= 23:
+            raise ValueError("--hour must be 0-23")
+        reqs = draw(clients, hour * 3600, 3600, args.seed, args.keep)
+    except (TraceError, ValueError, OSError) as e:
+        print(f"rackflow sim trace servegen: {e}", file=sys.stderr)
+        return 2
+    path = Path(args.out or SERVEGEN_R1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for r in reqs:
+            fh.write(to_jsonl(r) + "\n")
+    print(json.dumps({"path": str(path), "clients": len(clients), "hour": hour, "keep": args.keep, "seed": args.seed,
+                      **summary(reqs)}))
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
-    """`rackflow sim trace multiturn [--out PATH]`: write the multi-turn synthetic trace (Mooncake JSONL + user_id)."""
+    """`rackflow sim trace multiturn [--out PATH]`: write the multi-turn synthetic trace (Mooncake JSONL + user_id);
+    `rackflow sim trace servegen --data DIR`: an hour drawn from ServeGen's client data."""
     from pipeline.sim.traces import MultiTurnSpec, multiturn, to_jsonl
     from pipeline.tokens import prefix_hashes_from_ids
 
+    if args.name == "servegen":
+        return cmd_trace_servegen(args)
     if args.name != "multiturn":
-        print(f"rackflow sim trace: unknown trace {args.name!r}; available: multiturn", file=sys.stderr)
+        print(f"rackflow sim trace: unknown trace {args.name!r}; available: multiturn, servegen", file=sys.stderr)
         return 2
     cfg = sim_config(Path(args.config_dir), [Path(p) for p in args.config], args.cluster, None)
     spec = MultiTurnSpec(block_tokens=cfg.policies.profiling.prefix_block_tokens)
@@ -132,7 +168,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate",
                                        "calibrate-control-plane"])
     s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto | "
-                                           "sizing | vidur; trace: multiturn")
+                                           "sizing | vidur; trace: multiturn | servegen")
     s.add_argument("--control-plane", nargs="?", const="", default=None, metavar="FILE",
                    help="model routers, batchers, Valkey shards, etcd and node links as stations with the measured "
                         "costs of FILE (default data/calibration/control-plane.json); off without this flag")
@@ -180,6 +216,11 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--faults", default=None, help="NODE@SECONDS:KIND[:DURATION_S[:FACTOR]],... "
                                                   "KIND death|xid|slow")
     s.add_argument("--seed", type=int, default=20231116)
+    s.add_argument("--data", default=None, help="trace servegen: a model's directory of ServeGen client data")
+    s.add_argument("--hour", type=int, default=None, help="trace servegen: the hour of ServeGen's day to draw "
+                                                          "(default: the busiest)")
+    s.add_argument("--keep", type=float, default=0.1, help="trace servegen: share of the hour's requests kept "
+                                                           "(default 0.1)")
     s.add_argument("--live", choices=["auto", "on", "off"], default="auto",
                    help="validate: also run a trace through the live pipeline on vLLM's CPU engine and through the "
                         "simulator fitted to it (auto: when .venv-vllm exists; on: fail without it)")

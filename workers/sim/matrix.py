@@ -3,7 +3,8 @@ per cell, as the anchors' A/B tests compare routers, scored on goodput within ea
 
 - Traces (`TRACES`): each with its format, its split and its SLO. `tuning` traces are those the policies' constants
   were tuned on (the Azure conv and code traces, Mooncake's synthetic trace); `test` traces are held out (Mooncake's
-  conversation and tool&agent traces, and any `--traces` file not in the table). A table trace whose file is absent
+  conversation and tool&agent traces, an hour of DeepSeek-R1 requests drawn from ServeGen's client data, and any
+  `--traces` file not in the table). A table trace whose file is absent
   is left out of the default matrix. Each has a default request limit (the first N requests; `--requests N` sets
   every trace's) so that the default matrix runs in under 30 minutes on 2 cores with `--jobs 2`.
 - Capacity of a trace on the cluster (`capacity_rps`) is round robin's steady-state throughput under a flood: the
@@ -60,6 +61,9 @@ chunk in 216 ms, and decodes a token in ~9 ms) and to each trace's prompts:
 - conversation (test): TTFT 8 s, TPOT 100 ms. That 10 s for the synthetic trace's 15.3 k-token mean prompt, in
   proportion to this trace's 12.0 k.
 - toolagent (test): TTFT 6 s, TPOT 100 ms. The same for its 8.6 k-token mean prompt.
+- servegen-deepseek-r1 (test; DeepSeek-R1 on Alibaba Cloud Model Studio, drawn from ServeGen's client data: short
+  prompts, long reasoning answers): TTFT 500 ms, TPOT 100 ms. The rule below for its 700-token mean prompt (0.46 s),
+  rounded up; TPOT 100 ms as for every streamed answer here (ServeGen publishes no latency targets).
 - any other `--traces` file (test unless given): TTFT 0.65 ms per token of its mean prompt (the rule of the last
   three), within [250 ms, 10 s], TPOT 100 ms (`default_slo`).
 
@@ -132,6 +136,8 @@ TRACES: tuple[TraceSpec, ...] = (
               (8000.0, 100.0), 8000),
     TraceSpec(_repo("data/traces/mooncake-fast25/toolagent_trace.jsonl"), "mooncake", "test",
               (6000.0, 100.0), 8000),
+    TraceSpec(_repo("data/traces/servegen/deepseek-r1-busiest-hour.jsonl"), "mooncake", "test",
+              (500.0, 100.0), None),
 )
 """The traces of the default matrix (those whose file exists), with their SLOs (see the module docstring) and
 request limits (measured: see docs/SIMULATOR.md, "The decision matrix")."""
@@ -507,6 +513,8 @@ def trace_label(path: str) -> str:
         return "azure-" + p.stem.removeprefix("AzureLLMInferenceTrace_")
     if p.stem in ("synthetic_trace", "trace", "data"):
         return p.parent.name
+    if p.parent.name == "servegen":
+        return "servegen-" + p.stem.removesuffix("-busiest-hour")
     return p.stem.removesuffix("_trace")
 
 
