@@ -161,7 +161,8 @@ def simulate(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine
         per_node[name] = per_node.get(name, 0) + 1
     return {"completed": len(done), "dropped": sum(res.dropped), "ttft": ttft, "e2e": e2e,
             "prefix_hit_rate": round(res.cached_tokens / res.prompt_tokens, 4) if res.prompt_tokens else 0.0,
-            "per_node": per_node}
+            "per_node": per_node,
+            "nodes": [res.node_names[res.node_of[i]] if res.node_of[i] >= 0 else "" for i in range(len(reqs))]}
 
 
 def at_load(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine: dict[str, Any], policy: str,
@@ -331,7 +332,9 @@ def live_decisions(policies: list[str] | None = None, requests: int = 900, load:
             live[pol] = {**_figures(report["_ttft"], report["_e2e"]),
                          **{k2: report[k2] for k2 in ("completed", "errors", "lost", "duplicates")},
                          "per_node": nodes_used, "stages_p50_ms": _stages(ok)}
-            raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"]}
+            raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"],
+                        # the node of each request, in the trace's order (DemoRun submits the rows in order)
+                        "live_nodes": [run.results[rid].node if rid in run.results else "" for rid in run.submitted]}
             _save_dispatches(ep.redis_url, set(run.submitted),
                              work / f"dispatches-{pol}.jsonl")
             live[pol]["prefix_hit_rate"] = _save_health(ep.redis_url, t_run_ms, work / f"health-{pol}.jsonl")
@@ -345,7 +348,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 900, load:
         s = simulate(config, base, cost, engine, pol, dispatch_ms)
         sim[pol] = {**_figures(s["ttft"], s["e2e"]), "completed": s["completed"], "dropped": s["dropped"],
                     "prefix_hit_rate": s["prefix_hit_rate"], "per_node": s["per_node"]}
-        raw[pol] |= {"sim_ttft_ms": s["ttft"], "sim_e2e_ms": s["e2e"]}
+        raw[pol] |= {"sim_ttft_ms": s["ttft"], "sim_e2e_ms": s["e2e"], "sim_nodes": s["nodes"]}
     rr = "round_robin"
     margins = {}
     for pol in pols:
