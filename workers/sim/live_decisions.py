@@ -334,7 +334,8 @@ def live_decisions(policies: list[str] | None = None, requests: int = 900, load:
                          "per_node": nodes_used, "stages_p50_ms": _stages(ok)}
             raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"],
                         # the node of each request, in the trace's order (DemoRun submits the rows in order)
-                        "live_nodes": [run.results[rid].node if rid in run.results else "" for rid in run.submitted]}
+                        "live_nodes": [run.results[rid].node if rid in run.results else "" for rid in run.submitted],
+                        "live_ids": list(run.submitted)}
             _save_dispatches(ep.redis_url, set(run.submitted),
                              work / f"dispatches-{pol}.jsonl")
             live[pol]["prefix_hit_rate"] = _save_health(ep.redis_url, t_run_ms, work / f"health-{pol}.jsonl")
