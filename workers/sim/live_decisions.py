@@ -216,9 +216,8 @@ def p99_order(a: list[float], b: list[float], draws: int = BOOT_DRAWS, seed: int
     Why a bootstrap and not the point estimates: the P99 of 900 requests is their 9th-worst, and one run's samples
     leave it uncertain by 10-15% (measured 2026-12-06: round robin's live P99 648 ms, its 90% bootstrap interval
     559-725 ms; kv_aware's 708 ms, 677-831 ms; simulated, 245 ms in 207-290 against 206 ms in 190-217). Two policies
-    whose intervals overlap are ordered by chance in one run, the live one and the simulated one alike: compared by
-    their point estimates, the tier's three-way ranking matched in 2 runs of 4 with the default ahead of round robin
-    in all 4, the pair that flipped one of these overlaps each time."""
+    whose intervals overlap are ordered by chance in one run, the live one and the simulated one alike (the runs are
+    recorded in tests/vllm/test_decisions.py)."""
     import numpy as np
 
     if not a or not b:

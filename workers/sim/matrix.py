@@ -4,9 +4,9 @@ per cell, as the anchors' A/B tests compare routers, scored on goodput within ea
 - Traces (`TRACES`): each with its format, its split and its SLO. `tuning` traces are those the policies' constants
   were tuned on (the Azure conv and code traces, Mooncake's synthetic trace); `test` traces are held out (Mooncake's
   conversation and tool&agent traces, an hour of DeepSeek-R1 requests drawn from ServeGen's client data, and any
-  `--traces` file not in the table). A table trace whose file is absent
-  is left out of the default matrix. Each has a default request limit (the first N requests; `--requests N` sets
-  every trace's) so that the default matrix runs in under 30 minutes on 2 cores with `--jobs 2`.
+  `--traces` file not in the table). A table trace whose file is absent is left out of the default matrix. Each has
+  a default request limit (the first N requests; `--requests N` sets every trace's) so that the default matrix runs
+  in under 30 minutes on 2 cores with `--jobs 2`.
 - Capacity of a trace on the cluster (`capacity_rps`) is round robin's steady-state throughput under a flood: the
   trace compressed until it offers at least twice what the cluster completes, admission off; completions per second
   between the 25th and 75th percentile of finish times.

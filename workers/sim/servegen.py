@@ -79,7 +79,8 @@ class Client:
     """(start_s, prompt lengths, output lengths), ascending."""
 
     def lengths_at(self, t_s: float) -> tuple[LengthDist, LengthDist]:
-        k = max(0, bisect.bisect_right([s for s, _, _ in self.lengths], t_s) - 1)
+        """The distributions of the latest 6-hour window starting at or before `t_s` (else the first one)."""
+        k = max(0, bisect.bisect_right(self.lengths, t_s, key=lambda w: w[0]) - 1)
         return self.lengths[k][1], self.lengths[k][2]
 
 
