@@ -83,7 +83,7 @@ test-vllm: $(VSTAMP) $(TINY)/rackflow-tiny.json
 
 # node choice on real engines: two vLLM CPU workers (prefix caching on) behind the whole pipeline serve a multi-turn
 # trace once per policy (the default, round robin, an anchor), against the oracle-free simulator's prediction
-# (workers/sim/live_decisions.py; about 6 minutes here, 900 requests per policy; not in .ci/run: see tests/vllm/test_decisions.py)
+# (workers/sim/live_decisions.py; about 10 minutes here, 1,800 requests per policy; not in .ci/run: see tests/vllm/test_decisions.py)
 test-decisions-vllm: $(VSTAMP) $(TINY)/rackflow-tiny.json
 	$(VPY) -m pytest -q -rs -s -m decisions_vllm tests/vllm
 

@@ -198,6 +198,13 @@ def _stages(ok: list[Any]) -> dict[str, float]:
             "engine": med([e.first_token_ms - e.start_ms for e in ok])}
 
 
+HOST_RERUN = 1.3
+"""A policy's run is replayed once when its engines' median step time over the profile is this many times the
+fastest run's: measured on this shared 2-core host, one run of the default (1,800 requests) had its engines at 1.29x
+the profile from its first minute (at 1-2 sequences, 7.9 ms a step against 4.1-5.4 ms in 12 other runs) and its
+P99 TTFT 2.1x its other run's, while the runs of a set otherwise stayed within 1.27x of each other."""
+
+
 def _ranking(rows: dict[str, dict[str, float]]) -> list[str]:
     return sorted(rows, key=lambda p: rows[p]["ttft_p99_ms"])
 
@@ -248,7 +255,7 @@ def ranking_agreement(raw: dict[str, dict[str, list[float]]], policies: list[str
             "unresolved": [k for k, v in pairs.items() if "~" in (v["live"], v["sim"])]}
 
 
-def live_decisions(policies: list[str] | None = None, requests: int = 900, load: float = 0.5, nodes: int = 2,
+def live_decisions(policies: list[str] | None = None, requests: int = 1800, load: float = 0.5, nodes: int = 2,
                    progress: bool = True, keep_dir: Path | None = None, seed: int = 0,
                    kv_blocks: int = KV_BLOCKS) -> dict[str, Any]:
     from pipeline.config import parse_config, raw_config
@@ -309,6 +316,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 900, load:
     live: dict[str, dict[str, Any]] = {}
     raw: dict[str, Any] = {}
     hops: list[float] = []
+    reruns: list[dict[str, Any]] = []
     try:
         _log(f"starting {nodes} vLLM workers and the pipeline roles (logs: {work / 'logs'})", progress)
         procs.start()
@@ -316,28 +324,51 @@ def live_decisions(policies: list[str] | None = None, requests: int = 900, load:
         split = isolate_engines(os.getpid())
         base = at_load(config, trace_slice(requests, seed), cost, engine, default, load)
         span_s = max(r.arrival_ms for r in base) / 1000.0
-        for k, pol in enumerate(pols):
-            rows = salted(base, f"run-{k}-{pol}")
-            _log(f"[{k + 1}/{len(pols)}] {pol}: replaying {len(rows)} requests over {span_s:.1f} s", progress)
+        def replay(pol: str, salt: str) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
+            rows = salted(base, salt)
             run = DemoRun(config, ep.redis_url, ep.etcd_url, TRACE, len(rows), 1.0, model, seed, progress=progress,
                           rows=rows, caps=[r.max_tokens for r in rows], route_policy=pol, idle_timeout_s=300.0)
             t_run_ms = time.time() * 1000.0
             report = asyncio.run(run.run())
             ok = [e for rid, e in run.results.items() if rid in run.submitted and e.status == "ok" and e.start_ms > 0]
-            hops += [(e.routed_ms - e.arrival_ms) + (e.start_ms - e.batched_ms) for e in ok]
             nodes_used: dict[str, int] = {}
             for e in ok:
                 nodes_used[e.node] = nodes_used.get(e.node, 0) + 1
-            live[pol] = {**_figures(report["_ttft"], report["_e2e"]),
-                         **{k2: report[k2] for k2 in ("completed", "errors", "lost", "duplicates")},
-                         "per_node": nodes_used, "stages_p50_ms": _stages(ok)}
-            raw[pol] = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"],
-                        # the node of each request, in the trace's order (DemoRun submits the rows in order)
-                        "live_nodes": [run.results[rid].node if rid in run.results else "" for rid in run.submitted],
-                        "live_ids": list(run.submitted)}
-            _save_dispatches(ep.redis_url, set(run.submitted),
-                             work / f"dispatches-{pol}.jsonl")
-            live[pol]["prefix_hit_rate"] = _save_health(ep.redis_url, t_run_ms, work / f"health-{pol}.jsonl")
+            entry = {**_figures(report["_ttft"], report["_e2e"]),
+                     **{k2: report[k2] for k2 in ("completed", "errors", "lost", "duplicates")},
+                     "per_node": nodes_used, "stages_p50_ms": _stages(ok)}
+            raw_entry = {"live_ttft_ms": report["_ttft"], "live_e2e_ms": report["_e2e"],
+                         # the node of each request, in the trace's order (DemoRun submits the rows in order)
+                         "live_nodes": [run.results[rid].node if rid in run.results else "" for rid in run.submitted],
+                         "live_ids": list(run.submitted)}
+            suffix = "" if salt.endswith(f"-{pol}") else "-rerun"
+            _save_dispatches(ep.redis_url, set(run.submitted), work / f"dispatches-{pol}{suffix}.jsonl")
+            entry["prefix_hit_rate"], entry["host_slowdown"] = _save_health(
+                ep.redis_url, t_run_ms, work / f"health-{pol}{suffix}.jsonl")
+            return entry, raw_entry, [(e.routed_ms - e.arrival_ms) + (e.start_ms - e.batched_ms) for e in ok]
+
+        for k, pol in enumerate(pols):
+            _log(f"[{k + 1}/{len(pols)}] {pol}: replaying {len(base)} requests over {span_s:.1f} s", progress)
+            live[pol], raw[pol], h = replay(pol, f"run-{k}-{pol}")
+            hops += h
+        # a run the host slowed down measures the host: its engines' speed over the fitted profile (the median
+        # `slowdown` they reported, decode iterations priced by their shapes, so the policy's batches do not move
+        # it) is compared across the runs, and a run slower than the fastest by HOST_RERUN is replayed once (fresh
+        # salt), the less disturbed of the two kept; both are reported
+        speeds = [live[p]["host_slowdown"] for p in pols if live[p]["host_slowdown"]]
+        fastest = min(speeds) if speeds else 0.0
+        for k, pol in enumerate(pols):
+            slow = live[pol]["host_slowdown"] or 0.0
+            if fastest <= 0 or slow <= HOST_RERUN * fastest:
+                continue
+            _log(f"{pol}: its engines ran {slow / fastest:.2f}x the fastest run's step times (host interference); "
+                 "replaying it once", progress)
+            again, raw_again, h = replay(pol, f"run-{k}-{pol}-again")
+            reruns.append({"policy": pol, "host_slowdown": [slow, again["host_slowdown"]],
+                           "ttft_p99_ms": [live[pol]["ttft_p99_ms"], again["ttft_p99_ms"]]})
+            if (again["host_slowdown"] or slow) < slow:
+                live[pol], raw[pol] = again, raw_again
+                hops += h
     finally:
         restore_affinity(split)
         procs.stop()
@@ -363,7 +394,7 @@ def live_decisions(policies: list[str] | None = None, requests: int = 900, load:
         "live_ranking": _ranking(live), "sim_ranking": _ranking(sim), "margins_p99_ttft": margins,
         "ranking_pairs": ranking_agreement(raw, pols),
         "step_cost": profile["fit"], "shared_core_factor": share, "engine": engine,
-        "dispatch_latency_ms": round(dispatch_ms, 2),
+        "dispatch_latency_ms": round(dispatch_ms, 2), "host_reruns": reruns,
         "cpus": {k: v for k, v in split.items() if not k.startswith("_")},
         "wall_s": round(time.perf_counter() - t_all, 1), "work_dir": str(work),
     }
@@ -401,11 +432,12 @@ def _save_dispatches(redis_url: str, ids: set[str], path: Path) -> None:
         r.close()
 
 
-def _save_health(redis_url: str, since_ms: float, path: Path) -> float | None:
+def _save_health(redis_url: str, since_ms: float, path: Path) -> tuple[float | None, float | None]:
     """The workers' heartbeats on `rf:health` since `since_ms` (running, waiting, KV used, the last batch entry
     read), one JSON line each: what a node the batcher kept skipping looked like to it. Returns the engines' own
     prefix hit rate over those heartbeats (vLLM's counters of prompt tokens found cached, summed over the nodes; None
-    without two heartbeats of a node)."""
+    without two heartbeats of a node) and the median of the `slowdown` they reported while running (their step
+    times over the fitted profile's for the same shapes; None without one)."""
     import redis
 
     from pipeline.events import HealthEvent
@@ -418,6 +450,7 @@ def _save_health(redis_url: str, since_ms: float, path: Path) -> float | None:
                    "prefill_slowdown", "prefix_hit_tokens", "prompt_tokens")
     first: dict[str, tuple[int, int]] = {}
     last: dict[str, tuple[int, int]] = {}
+    slow: list[float] = []
     try:
         with open(path, "w", encoding="utf-8") as fh:
             last_id = f"{int(since_ms)}-0"
@@ -431,12 +464,15 @@ def _save_health(redis_url: str, since_ms: float, path: Path) -> float | None:
                         fh.write(json.dumps({k: getattr(ev, k) for k in fields_kept}) + "\n")
                         first.setdefault(ev.node, (ev.prefix_hit_tokens, ev.prompt_tokens))
                         last[ev.node] = (ev.prefix_hit_tokens, ev.prompt_tokens)
+                        if ev.running > 0 and ev.slowdown > 0:
+                            slow.append(ev.slowdown)
                 last_id = rows[-1][0].decode()
     finally:
         r.close()
     hits = sum(last[n][0] - first[n][0] for n in last)
     prompt = sum(last[n][1] - first[n][1] for n in last)
-    return round(hits / prompt, 4) if prompt > 0 else None
+    return (round(hits / prompt, 4) if prompt > 0 else None,
+            round(percentile(slow, 50), 3) if slow else None)
 
 
 def format_report(out: dict[str, Any]) -> str:
@@ -454,11 +490,16 @@ def format_report(out: dict[str, Any]) -> str:
         if st:
             lines.append(f"{pol}: live TTFT by stage, medians: " + ", ".join(f"{k} {v:.1f} ms" for k, v in st.items()))
         hit = out["live"][pol].get("prefix_hit_rate")
+        slow = out["live"][pol].get("host_slowdown")
+        lines.append(f"{pol}: engines' step times over the profile, median {'-' if slow is None else f'{slow:.2f}'}")
         lines.append(f"{pol}: prefix hit rate live {'-' if hit is None else f'{hit:.3f}'}, simulated "
                      f"{out['sim'][pol]['prefix_hit_rate']:.3f}; requests per node live {out['live'][pol]['per_node']},"
                      f" simulated {out['sim'][pol]['per_node']}")
     lines.append(f"ranking on P99 TTFT: live {' < '.join(out['live_ranking'])}; "
                  f"simulated {' < '.join(out['sim_ranking'])}")
+    for rr in out.get("host_reruns", []):
+        lines.append(f"replayed {rr['policy']} (host interference): step times over the profile {rr['host_slowdown']},"
+                     f" P99 TTFT {rr['ttft_p99_ms']} ms (first, replay); the less disturbed run kept")
     rp = out.get("ranking_pairs")
     if rp:
         for pair, v in rp["pairs"].items():
