@@ -652,8 +652,9 @@ class GatewayConfig(_Strict):
     """How often the gateway re-reads the rack queues (cached in between: no per-request reads)."""
     request_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
     """How long the gateway waits for a request's final result before answering with a timeout error."""
-    max_n: int = Field(default=1, ge=1, le=1)
-    """Completions per request (`n`); only 1 is supported."""
+    max_n: int = Field(default=16, ge=1, le=128)
+    """Most completions per request (`n`): each is its own sequence, routed and batched as a request of its own
+    (the later ones find the prompt's prefix cached), so n counts n times against admission."""
     redis_max_connections: int = Field(default=32, ge=4, le=100_000)
     """Connections to Redis/Valkey of one gateway process. An open request holds none while it waits: one reader
     serves every open request through the gateway's reply stream (`reply_queue_events`); admission and result

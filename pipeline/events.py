@@ -74,6 +74,9 @@ class RequestEvent:
     the request's true output length (a trace's), where it stops with
     `finish_reason: "stop"`, as a real model stops at its end-of-sequence token. Profiling, routing and batching
     never read it (they see `out_tokens`, the expected length). 0: it runs to max_tokens."""
+    sampling: str = ""
+    """What the client asked of the sampler (`pipeline.sampling`: stop strings, seed, temperature, ...), compact JSON
+    read by the worker that runs the sequence alone; empty: the engine's defaults."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,8 @@ class ProfileInput:
     """A replayed trace's true output length (RequestEvent.sim_out_tokens): the engine that serves it (`sim`, or
     `vllm`, whose random-weight models have no natural end) stops there; never profiled, never read by the control
     plane."""
+    sampling: str = ""
+    """RequestEvent.sampling: passed through to the engine, never profiled."""
 
 
 def profile_request(
@@ -84,12 +86,10 @@ def profile_request(
     else:
         in_tokens = estimate_tokens(inp.prompt, rates)
     out_tokens = expected_out_tokens(model, inp.max_tokens, inp.user_avg_out)
-    if inp.max_tokens is not None:
-        max_tokens = inp.max_tokens
-    elif inp.sim_out_tokens > 0:  # a replayed trace's answer has its own end: unset means the context's room
-        max_tokens = max(1, model.context - in_tokens, inp.sim_out_tokens)
-    else:
-        max_tokens = out_tokens
+    # unset: the room left in the context, as OpenAI's API and vLLM's server have it (the answer ends at its
+    # end-of-sequence token); the expected length above is what the batcher budgets for
+    max_tokens = inp.max_tokens if inp.max_tokens is not None else max(1, model.context - in_tokens, inp.sim_out_tokens)
+    out_tokens = min(out_tokens, max_tokens)  # a prompt that leaves little room: no more can come than fits
     if inp.prefix_hashes is not None:
         hashes = inp.prefix_hashes
     elif inp.token_ids is not None:
@@ -115,4 +115,5 @@ def profile_request(
         route_policy=inp.route_policy,
         prefix_hashes=hashes,
         sim_out_tokens=max(0, inp.sim_out_tokens),
+        sampling=inp.sampling,
     )

@@ -274,7 +274,7 @@ def test_gateway_section_is_loaded_from_gateway_yaml() -> None:
 @pytest.mark.parametrize(("field", "value", "expect"), [
     (("port",), 70_000, "gateway.port"),
     (("auth", "mode"), "basic", "gateway.auth.mode"),
-    (("max_n",), 2, "gateway.max_n"),
+    (("max_n",), 129, "gateway.max_n"),
 ])
 def test_bad_gateway_value_names_its_field_path(field: tuple[str, ...], value: object, expect: str) -> None:
     raw = base()

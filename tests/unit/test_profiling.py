@@ -143,7 +143,8 @@ def test_profile_request_builds_a_version_1_event_from_prompt_and_history() -> N
     ev = profile_request(inp, QWEN, POLICY)
     assert ev == RequestEvent(
         request_id="r-1", version=1, tenant="t", user_id="u", model="qwen2-7b", in_tokens=50, out_tokens=100,
-        max_tokens=100, mem_est_kb=(50 + 100) * QWEN.kv_bytes_per_token / 1000, arrival_ms=12.5,
+        # no max_tokens: the cap is the room left in the context (OpenAI's and vLLM's), the expectation the EWMA
+        max_tokens=QWEN.context - 50, mem_est_kb=(50 + 100) * QWEN.kv_bytes_per_token / 1000, arrival_ms=12.5,
         prompt="word " * 40, priority=2,
         prefix_cache=False, rack=None, routed_ms=0.0, route_policy="kv_aware",
         prefix_hashes=(),  # 200 characters: less than one 512-token block
@@ -232,7 +233,7 @@ def test_profiled_request_is_consistent_with_its_parts(
     else:
         assert ev.in_tokens == estimate_tokens(prompt, policy.token_rates)
     assert ev.out_tokens == expected_out_tokens(QWEN, max_tokens, ewma)
-    assert ev.max_tokens == (max_tokens if max_tokens is not None else ev.out_tokens)
+    assert ev.max_tokens == (max_tokens if max_tokens is not None else max(1, QWEN.context - ev.in_tokens))
     assert ev.out_tokens <= ev.max_tokens
     assert ev.mem_est_kb == estimate_mem_kb(QWEN, ev.in_tokens, ev.out_tokens, estimator)
     assert all(0 <= h < 2**63 for h in ev.prefix_hashes)

@@ -88,7 +88,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     config = config_of(args)
     redis_url, etcd_url = endpoints(args)
     observe(args, config, "gateway", redis_url)  # its /metrics is on its own HTTP port
-    return serve(config, redis_url, etcd_url, host=args.host, port=args.port, no_auth=args.no_auth)
+    return serve(config, redis_url, etcd_url, host=args.host, port=args.port, no_auth=args.no_auth,
+                 engine=args.engine or config.policies.worker.engine)
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
@@ -164,4 +165,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--host", default=None, help="bind address (default: gateway.host in config)")
     s.add_argument("--port", type=int, default=None, help="port (default: gateway.port; 0 = any free port)")
     s.add_argument("--no-auth", action="store_true", help="accept requests without a JWT (local runs only)")
+    s.add_argument("--engine", choices=["sim", "torch", "vllm"], default=None,
+                   help="the engine the workers run (default: policies.worker.engine): which OpenAI sampling "
+                        "parameters are honoured, the rest answered with a 400 that names them")
     s.set_defaults(fn=cmd_gateway)

@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipeline.config import ModelSpec
 from pipeline.costmodel import IterationCostModel
 from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from pipeline.routing.hashring import stable_hash64
+from pipeline.sampling import decode as decode_sampling
 from pipeline.sim.node import SimNode, SimSeq
 from pipeline.sim.world import NodeWorld
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
@@ -53,6 +55,33 @@ class _Seq:
     generated: int = 0
     start_ms: float = 0.0
     first_token_ms: float = 0.0
+    natural: int = 0
+    """Where the answer ends on its own ("stop"; 0: at max_tokens)."""
+
+
+def token_seed(req: RequestEvent) -> int:
+    """The placeholder sampler's seed: the client's `seed` (with the prompt: the same seed and prompt give the same
+    answer), the prompt alone at temperature 0 (greedy: one answer per prompt), else the request's id (a fresh
+    draw per request)."""
+    if req.sampling:
+        s = decode_sampling(req.sampling)
+        if s.seed is not None:
+            return stable_hash64(f"seed:{s.seed}:{req.prompt}")
+        if s.temperature == 0:
+            return stable_hash64(f"greedy:{req.prompt}")
+    return stable_hash64(req.request_id)
+
+
+def natural_end(req: RequestEvent, model: ModelSpec, seed: int) -> int:
+    """Where the placeholder model's answer ends on its own: a replayed trace's true length (`sim_out_tokens`);
+    for a request whose cap is the whole room left in the context (a client that sent no max_tokens), a length drawn
+    by the seed from 0.5-1.5x the model's default output, as a real model ends at its end-of-sequence token;
+    otherwise 0 (the answer runs to max_tokens, as a benchmark asks)."""
+    if req.sim_out_tokens > 0:
+        return req.sim_out_tokens
+    if req.max_tokens >= model.context - max(1, req.in_tokens):
+        return max(1, round(model.default_out_tokens * (0.5 + ((seed >> 11) & ((1 << 53) - 1)) / 2.0**53)))
+    return 0
 
 
 class SimEngine:
@@ -135,13 +164,14 @@ class SimEngine:
             raise EngineError(f"sim engine already holds sequence {req.request_id}")
         rid = self._next_rid
         self._next_rid += 1
-        seq = _Seq(req, rid, stable_hash64(req.request_id), generated, start_ms, first_token_ms)
+        seed = token_seed(req)
+        seq = _Seq(req, rid, seed, generated, start_ms, first_token_ms, natural_end(req, self.cost.model, seed))
         self._seqs[req.request_id] = seq
         self._by_rid[rid] = seq
         prompt = max(1, req.in_tokens) + generated
         prefix = req.prefix_hashes if req.prefix_cache else ()
-        # a trace's true length, where it has one: the sequence ends there ("stop"), else at max_tokens
-        stop_at = min(req.max_tokens, req.sim_out_tokens) if req.sim_out_tokens > 0 else req.max_tokens
+        # the answer's own end, where it comes before max_tokens: the sequence ends there ("stop")
+        stop_at = min(req.max_tokens, seq.natural) if seq.natural > 0 else req.max_tokens
         self.node.submit(SimSeq(rid, prompt, max(1, stop_at - generated), req.mem_est_kb, prefix,
                                 resident=resident))
 
@@ -251,7 +281,7 @@ class SimEngine:
                 gone.discard(seq.req.request_id)
                 continue
             r = seq.req
-            reason = "stop" if 0 < r.sim_out_tokens < r.max_tokens and seq.generated >= r.sim_out_tokens else "length"
+            reason = "stop" if 0 < seq.natural < r.max_tokens and seq.generated >= seq.natural else "length"
             finished.append(SeqFinished(r.request_id, seq.generated, seq.start_ms, seq.first_token_ms, now, reason))
         for request_id in list(gone):
             seq = self._seqs.get(request_id)

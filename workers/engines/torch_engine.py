@@ -55,6 +55,8 @@ from pipeline.config import ModelSpec, TorchEngineConfig
 from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
+from pipeline.sampling import Sampling
+from pipeline.sampling import decode as decode_sampling
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 from workers.engines.tokenizer import BOS, BYTE_VOCAB, EOS, PAD, StreamDecoder, TextTokenizer, load_tokenizer
 
@@ -93,6 +95,8 @@ class _Seq:
     """Admission counter: the LRU tie-break (earliest admitted first)."""
     reserved: int = 0
     """KV bytes reserved in L0 while running."""
+    sampling: Sampling | None = None
+    """What the client asked of the sampler (None: greedy)."""
 
     @property
     def rid(self) -> str:
@@ -387,7 +391,8 @@ class TorchEngine:
         return ids
 
     def _new_seq(self, req: RequestEvent) -> _Seq:
-        return _Seq(req=req, prompt=self.prompt_ids(req), decoder=self.tokenizer.stream())
+        return _Seq(req=req, prompt=self.prompt_ids(req), decoder=self.tokenizer.stream(),
+                    sampling=decode_sampling(req.sampling) if req.sampling else None)
 
     # -- KV export/import --------------------------------------------------------------------------------------
     def export_kv(self, request_id: str, version: int, remove: bool = False) -> KvSnapshot:
@@ -513,6 +518,7 @@ class TorchEngine:
             generated=list(snapshot.generated), kv=kv,
             start_ms=float(snapshot.meta.get("start_ms", 0.0)),
             first_token_ms=float(snapshot.meta.get("first_token_ms", 0.0)),
+            sampling=decode_sampling(req.sampling) if req.sampling else None,
         )
         for t in seq.generated:  # the client has seen this text: bring the decoder to the same (partial) state
             seq.decoder.feed(t)
@@ -677,6 +683,32 @@ class TorchEngine:
             return "length"
         return ""
 
+    def _pick(self, s: _Seq, row: torch.Tensor) -> int:
+        """The next token of a sequence whose client asked for sampling: the penalties (OpenAI's: presence once per
+        token seen in the answer, frequency per occurrence), then greedy at temperature 0 (or none given), else a
+        draw from softmax(logits / temperature) cut to the nucleus `top_p`, by a generator seeded with the client's
+        seed (else the request id) and the position, so a moved sequence draws what it would have drawn."""
+        sp = s.sampling
+        assert sp is not None
+        x = row.float().masked_fill(self._banned, float("-inf"))
+        if (sp.presence_penalty or sp.frequency_penalty) and s.generated:
+            counts = torch.bincount(torch.tensor(s.generated), minlength=x.shape[-1])[: x.shape[-1]].float()
+            x = x - (sp.frequency_penalty or 0.0) * counts - (sp.presence_penalty or 0.0) * (counts > 0).float()
+        if not sp.temperature:
+            return int(x.argmax())
+        probs = torch.softmax(x / sp.temperature, dim=-1)
+        if sp.top_p is not None and sp.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            keep = idx[(sorted_p.cumsum(-1) - sorted_p) < sp.top_p]
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[keep] = True
+            probs = probs * mask
+            probs = probs / probs.sum()
+        key = f"{sp.seed if sp.seed is not None else s.rid}:{len(s.generated)}"
+        seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
+        gen = torch.Generator().manual_seed(seed)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
     def _greedy(self, logits: torch.Tensor) -> list[int]:
         """Greedy sampling (temperature 0): argmax over the tokenizer's real ids (ties: the lowest id)."""
         masked = logits.masked_fill(self._banned, float("-inf"))
@@ -708,7 +740,7 @@ class TorchEngine:
                 for s, tid, row in zip(decode, self._greedy(logits), logits, strict=True):
                     if self.logits_hook is not None:
                         self.logits_hook(s.rid, len(s.generated), row)
-                    chosen.append((s, tid))
+                    chosen.append((s, tid if s.sampling is None else self._pick(s, row)))
             for s in prefill:
                 if s.generated:  # resumed without KV: rebuild the KV of all but the pending token, emit nothing
                     s.kv, _ = self._prefill_forward(s.tokens[:-1])
@@ -716,7 +748,7 @@ class TorchEngine:
                 s.kv, row = self._prefill_forward(s.prompt)
                 if self.logits_hook is not None:
                     self.logits_hook(s.rid, 0, row)
-                chosen.append((s, self._greedy(row.unsqueeze(0))[0]))
+                chosen.append((s, self._greedy(row.unsqueeze(0))[0] if s.sampling is None else self._pick(s, row)))
             end = self.now_ms()
             aborted = self._apply_aborts()
             tokens: list[TokenOut] = []

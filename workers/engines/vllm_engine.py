@@ -41,6 +41,7 @@ from pipeline.config import VllmEngineConfig
 from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
+from pipeline.sampling import decode as decode_sampling
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 from workers.engines.vllm_kv_events import BlockChanges, VllmKvEvents
 from workers.shell.runtime import lower_cpu_priority
@@ -225,8 +226,35 @@ def _pin_engine_processes() -> str:
     return bind
 
 
+def vllm_sampling(text: str) -> dict[str, Any]:
+    """vLLM's SamplingParams arguments for what the client asked (`pipeline.sampling`): temperature 0 (greedy) where
+    it asked none, so that a sequence moved to another node continues with the tokens it would have had."""
+    s = decode_sampling(text)
+    out: dict[str, Any] = {"temperature": 0.0 if s.temperature is None else s.temperature}
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.seed is not None:
+        out["seed"] = s.seed
+    if s.top_p is not None:
+        out["top_p"] = s.top_p
+    if s.presence_penalty:
+        out["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        out["frequency_penalty"] = s.frequency_penalty
+    fmt = s.response_format or {}
+    if fmt.get("type") in ("json_object", "json_schema"):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        out["structured_outputs"] = (StructuredOutputsParams(json=schema) if fmt["type"] == "json_schema" and schema
+                                     else StructuredOutputsParams(json_object=True))
+    return out
+
+
 class VllmEngine:
     name = "vllm"
+    stops_on_strings = True
+    """vLLM matches the stop strings itself (its detokenizer holds back a possible one): the worker does not."""
     kv_in_estimate_units = True
     """Its KV figures are vLLM's real blocks, in the same KB the batcher's shape estimator counts (when the served
     model's spec in `models` matches the checkpoint: `rackflow model spec DIR` prints it)."""
@@ -414,9 +442,12 @@ class VllmEngine:
         # engine does; the control plane never sees it
         stop_at = min(req.max_tokens, req.sim_out_tokens) if req.sim_out_tokens > 0 else req.max_tokens
         live.stop_at = stop_at if stop_at < req.max_tokens else 0
+        sampling = vllm_sampling(req.sampling)
         params = SamplingParams(
-            max_tokens=max(1, stop_at - len(generated)), temperature=0.0,
-            ignore_eos=self.config.ignore_eos or live.stop_at > 0, output_kind=RequestOutputKind.DELTA,
+            max_tokens=max(1, stop_at - len(generated)),
+            # a grammar ends the answer with the end-of-sequence token: it is never ignored under one
+            ignore_eos=(self.config.ignore_eos or live.stop_at > 0) and "structured_outputs" not in sampling,
+            output_kind=RequestOutputKind.DELTA, **sampling,
         )
         prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + list(generated)}
         if not req.prefix_cache:

@@ -22,7 +22,7 @@ _STATUS_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # OpenAI's type for an unknown model, file or batch (code: model_not_found, ...)
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

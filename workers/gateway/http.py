@@ -22,14 +22,16 @@ It must never decide routing or batching, never read another request's stream, a
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -45,6 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.config import RackflowConfig
 from pipeline.events import REQUEST_ID, RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
+from pipeline.sampling import SamplingRefused, check_engine
+from pipeline.sampling import encode as encode_sampling
 from streams.runner import connect, is_cluster_url, retrying_connection_kwargs
 from workers.gateway.auth import Authenticator, Principal
 from workers.gateway.edge import ApiError, Edge, _from_rejected, _store_down
@@ -233,15 +237,19 @@ class _Admitted:
     t0: float
     stream: bool
     include_usage: bool
+    choices: tuple[RequestEvent, ...] = ()
+    """The n sequences of the request (`n`), `req` the first."""
 
 
 # -- the app -----------------------------------------------------------------------------------------------------------
 class _Api(Edge):
     """The endpoints' logic, bound to one config, authenticator, metrics registry and (after start-up) Redis."""
 
-    def __init__(self, config: RackflowConfig, authn: Authenticator, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: RackflowConfig, authn: Authenticator, metrics: GatewayMetrics, engine: str) -> None:
         super().__init__(config, authn)
         self.metrics = metrics
+        self.engine = engine
+        """The workers' engine: which sampling parameters are honoured (pipeline.sampling.ENGINE_PARAMS)."""
         self.started_s = int(time.time())
 
     async def admit(self, request: Request, kind: str) -> _Admitted:
@@ -260,10 +268,16 @@ class _Api(Edge):
             code = "invalid_json" if message.startswith("request body") else "invalid_value"
             raise ApiError(400, message, code, param) from None
         max_n = self.config.gateway.max_n
-        if body.n is not None and body.n > max_n:
-            raise ApiError(400, f"n={body.n} is not supported: at most {max_n} completion per request", "invalid_value",
-                           "n")
+        n = body.n or 1
+        if n > max_n:
+            raise ApiError(400, f"n={n} is not supported: at most {max_n} completions per request "
+                           "(gateway.max_n)", "invalid_value", "n")
         model = self.select_model(request, body.model, principal)
+        sampling = body.sampling()
+        try:
+            check_engine(sampling, self.engine)
+        except SamplingRefused as e:
+            raise ApiError(400, str(e), "unsupported_parameter", e.param) from None
         if isinstance(body, ChatCompletionRequest):
             prompt = chatml_prompt(body.messages)
             max_tokens = body.output_limit
@@ -271,42 +285,88 @@ class _Api(Edge):
             prompt = body.prompt
             max_tokens = body.max_tokens
         user_id = principal.sub if self.authn.enabled else (body.user or principal.sub)
-        inp = ProfileInput(
-            request_id=str(uuid.uuid4()),
-            tenant=principal.tenant,
-            user_id=user_id,
-            model=model,
-            arrival_ms=WALL.now_ms(),
-            prompt=prompt,
-            max_tokens=max_tokens,
-            route_policy=request.headers.get("x-route-policy", "").strip(),
-        )
-        bind_log_context(request_id=inp.request_id)  # this request's task: every line it logs carries the id
+        route_policy = request.headers.get("x-route-policy", "").strip()
         t0 = time.perf_counter()
-        try:
-            req = await self.gateway.admit(inp, principal.allows)
-        except RequestRejected as e:
-            if isinstance(body, ChatCompletionRequest) and e.param == "max_tokens":
-                e.param = body.output_limit_param
-            elif isinstance(body, ChatCompletionRequest) and e.param == "prompt":
-                e.param = "messages"  # a chat request's prompt is its messages: name them, in the message too
-                e.args = (str(e).replace("prompt", "messages"),)
-            raise _from_rejected(e) from None
-        except RedisError as e:
-            log.warning("request %s: cannot admit, stream store error: %s", inp.request_id, e)
-            raise _store_down(e, self.config.gateway.retry_after_s) from None
-        log.debug("request %s admitted: tenant %s model %s in %d max %d", req.request_id, req.tenant, req.model,
-                  req.in_tokens, req.max_tokens)
-        return _Admitted(req, principal, int(time.time()), t0, body.streaming, body.include_usage)
+        reqs: list[RequestEvent] = []
+        for i in range(n):
+            # n choices are n sequences, each routed and batched as its own request (the later ones find the
+            # prompt's prefix cached); with a seed, choice i draws with seed + i, so the choices differ
+            own = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+            inp = ProfileInput(
+                request_id=str(uuid.uuid4()),
+                tenant=principal.tenant,
+                user_id=user_id,
+                model=model,
+                arrival_ms=WALL.now_ms(),
+                prompt=prompt,
+                max_tokens=max_tokens,
+                route_policy=route_policy,
+                sampling=encode_sampling(own),
+            )
+            if i == 0:
+                bind_log_context(request_id=inp.request_id)  # this request's task: every line it logs carries the id
+            try:
+                reqs.append(await self.gateway.admit(inp, principal.allows))
+            except RequestRejected as e:
+                if isinstance(body, ChatCompletionRequest) and e.param == "max_tokens":
+                    e.param = body.output_limit_param
+                elif isinstance(body, ChatCompletionRequest) and e.param == "prompt":
+                    e.param = "messages"  # a chat request's prompt is its messages: name them, in the message too
+                    e.args = (str(e).replace("prompt", "messages"),)
+                if reqs:
+                    log.warning("request %s: choice %d of %d refused (%s); the %d admitted run to their end",
+                                reqs[0].request_id, i, n, e, len(reqs))
+                raise _from_rejected(e) from None
+            except RedisError as e:
+                log.warning("request %s: cannot admit, stream store error: %s", inp.request_id, e)
+                raise _store_down(e, self.config.gateway.retry_after_s) from None
+        req = reqs[0]
+        log.debug("request %s admitted: tenant %s model %s in %d max %d n %d", req.request_id, req.tenant, req.model,
+                  req.in_tokens, req.max_tokens, n)
+        return _Admitted(req, principal, int(time.time()), t0, body.streaming, body.include_usage, tuple(reqs))
 
     def outputs(self, request_id: str) -> AsyncGenerator[TokenEvent | ResultEvent, None]:
         """The request's own output stream (Gateway.outputs is an async generator: closed when we stop early)."""
         return self.gateway.outputs(request_id)
 
+    async def _merged(self, adm: _Admitted) -> AsyncIterator[tuple[int, TokenEvent | ResultEvent]]:
+        """(choice index, event) of every choice's output stream as they arrive; one choice: its stream alone."""
+        if len(adm.choices) == 1:
+            async with aclosing(self.outputs(adm.req.request_id)) as events:
+                async for ev in events:
+                    yield 0, ev
+            return
+        queue: asyncio.Queue[tuple[int, TokenEvent | ResultEvent | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, rid: str) -> None:
+            try:
+                async with aclosing(self.outputs(rid)) as events:
+                    async for ev in events:
+                        queue.put_nowait((i, ev))
+            except Exception as e:  # handed to the reader, which raises it
+                queue.put_nowait((i, e))
+                return
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, r.request_id)) for i, r in enumerate(adm.choices)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
     def finish_reason(self, req: RequestEvent, result: ResultEvent) -> str:
-        """OpenAI's finish_reason: `stop` when the engine ended the sequence on its own (an end-of-sequence token),
-        `length` when it reached max_tokens (or the context), as the worker reported it; a result without the report
-        (from a worker older than the field) falls back to the token count."""
+        """OpenAI's finish_reason: `stop` when the sequence ended on its own (an end-of-sequence token or a stop
+        string), `length` when it reached max_tokens (or the context), as the worker reported it; a result without
+        the report (from a worker older than the field) falls back to the token count."""
         if result.finish_reason in ("stop", "length"):
             return result.finish_reason
         return "length" if result.out_tokens >= req.max_tokens else "stop"
@@ -330,17 +390,21 @@ class _Api(Edge):
 
     async def collect(self, adm: _Admitted, kind: str) -> JSONResponse:
         req = adm.req
-        texts: list[str] = []
-        result: ResultEvent | None = None
+        n = len(adm.choices)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        results: list[ResultEvent | None] = [None] * n
         self.metrics.in_flight.inc()
         try:
-            async with aclosing(self.outputs(req.request_id)) as events:
-                async for ev in events:
-                    if isinstance(ev, TokenEvent):
-                        self._on_tokens(adm, ev, not texts)
-                        texts.append(ev.text)
-                    else:
-                        result = ev
+            async for i, ev in self._merged(adm):
+                if isinstance(ev, TokenEvent):
+                    self._on_tokens(adm, ev, not any(texts))
+                    texts[i].append(ev.text)
+                    continue
+                results[i] = ev
+                self._finished(adm, ev.status)
+                if ev.status != "ok":
+                    log.info("request %s failed: %s", ev.request_id, ev.error)
+                    raise _from_result(ev)
         except TimeoutError:
             log.warning("request %s: no final result within %.0fs", req.request_id,
                         self.config.gateway.request_timeout_s)
@@ -351,59 +415,72 @@ class _Api(Edge):
             raise _store_down(e) from None
         finally:
             self.metrics.in_flight.dec()
-        assert result is not None  # outputs() ends with the result or raises
-        self._finished(adm, result.status)
-        if result.status != "ok":
-            log.info("request %s failed: %s", req.request_id, result.error)
-            raise _from_result(result)
-        text = result.text or "".join(texts)
+        done = [r for r in results if r is not None]
+        assert len(done) == n  # outputs() ends with the result or raises
         build = chat_response if kind == "chat" else completion_response
-        return JSONResponse(
-            build(req.request_id, req.model, adm.created, text, self.finish_reason(req, result), result.in_tokens,
-                  result.out_tokens)
-        )
+        body = build(req.request_id, req.model, adm.created, done[0].text or "".join(texts[0]),
+                     self.finish_reason(adm.choices[0], done[0]), done[0].in_tokens,
+                     sum(r.out_tokens for r in done))
+        for i in range(1, n):
+            extra = build(req.request_id, req.model, adm.created, done[i].text or "".join(texts[i]),
+                          self.finish_reason(adm.choices[i], done[i]), 0, 0)["choices"][0]
+            extra["index"] = i
+            body["choices"].append(extra)
+        return JSONResponse(body)
 
     async def sse(self, adm: _Admitted, kind: str) -> AsyncIterator[str]:
-        """SSE body: a chunk per TokenEvent as it arrives, the finish chunk, optional usage, `[DONE]`; errors after
-        admission become an error event followed by `[DONE]`, so the client always learns how its request ended."""
+        """SSE body: a chunk per TokenEvent as it arrives (each with its choice's index), a finish chunk per choice,
+        optional usage, `[DONE]`; errors after admission become an error event followed by `[DONE]`, so the client
+        always learns how its request ended."""
         req = adm.req
         rid, model, created = req.request_id, req.model, adm.created
-        chunk: Callable[..., dict[str, Any]]
-        if kind == "chat":
-            chunk = partial(chat_chunk, rid, model, created)
-        else:
-            chunk = partial(completion_chunk, rid, model, created)
+        n = len(adm.choices)
 
-        def piece(text: str, finish: str | None = None) -> dict[str, Any]:
+        def chunk(i: int, content: Any, finish: str | None = None, usage_: dict[str, int] | None = None,
+                  with_choice: bool = True) -> dict[str, Any]:
+            build = chat_chunk if kind == "chat" else completion_chunk
+            out = build(rid, model, created, content, finish, usage_, with_choice)
+            if with_choice and i:
+                out["choices"][0]["index"] = i
+            return out
+
+        def piece(i: int, text: str, finish: str | None = None) -> dict[str, Any]:
             if kind == "chat":
-                return chunk({"content": text} if text else {}, finish)
-            return chunk(text, finish)
+                return chunk(i, {"content": text} if text else {}, finish)
+            return chunk(i, text, finish)
 
         self.metrics.in_flight.inc()
-        first = True
+        first = [True] * n
         error: ApiError | None = None
+        in_tokens = out_tokens = 0
         try:
-            if kind == "chat":
-                yield _sse(chunk({"role": "assistant", "content": ""}))
+            # the first chunk of a choice leaves with its first token, never before (vLLM's server does the same):
+            # a client times its TTFT at the first chunk, so an early empty one would show a token that is not there
             try:
-                async with aclosing(self.outputs(rid)) as events:
-                    async for ev in events:
-                        if isinstance(ev, TokenEvent):
-                            self._on_tokens(adm, ev, first)
-                            first = False
-                            if ev.text:
-                                yield _sse(piece(ev.text))
-                            continue
-                        self._finished(adm, ev.status)
-                        if ev.status != "ok":
-                            log.info("request %s failed: %s", rid, ev.error)
-                            error = _from_result(ev)
-                            break
-                        yield _sse(piece("", self.finish_reason(req, ev)))
-                        if adm.include_usage:
-                            u = usage(ev.in_tokens, ev.out_tokens)
-                            yield _sse(chunk({}, usage_=u, with_choice=False) if kind == "chat"
-                                       else chunk("", usage_=u, with_choice=False))
+                async for i, ev in self._merged(adm):
+                    if isinstance(ev, TokenEvent):
+                        self._on_tokens(adm, ev, all(first))
+                        if first[i] and kind == "chat":
+                            yield _sse(chunk(i, {"role": "assistant", "content": ev.text}))
+                        elif ev.text or first[i]:
+                            yield _sse(piece(i, ev.text))
+                        first[i] = False
+                        continue
+                    self._finished(adm, ev.status)
+                    if ev.status != "ok":
+                        log.info("request %s failed: %s", ev.request_id, ev.error)
+                        error = _from_result(ev)
+                        break
+                    if first[i] and kind == "chat":  # no token at all: the role still comes before the end
+                        yield _sse(chunk(i, {"role": "assistant", "content": ""}))
+                    first[i] = False
+                    yield _sse(piece(i, "", self.finish_reason(adm.choices[i], ev)))
+                    out_tokens += ev.out_tokens
+                    in_tokens = ev.in_tokens
+                else:
+                    if adm.include_usage:
+                        u = usage(in_tokens, out_tokens)
+                        yield _sse(chunk(0, {} if kind == "chat" else "", usage_=u, with_choice=False))
             except TimeoutError:
                 log.warning("request %s: no final result within %.0fs (stream)", rid,
                             self.config.gateway.request_timeout_s)
@@ -433,6 +510,15 @@ class _Api(Edge):
             for name in served_models(self.config, principal.allows)
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    def model(self, request: Request, model_id: str) -> JSONResponse:
+        """`GET /v1/models/{id}`: one model the caller may use, else OpenAI's 404 (`model_not_found`)."""
+        principal = self.principal(request)
+        served = served_models(self.config, principal.allows)
+        if model_id not in served:
+            raise ApiError(404, f"The model {model_id!r} does not exist or you do not have access to it; available: "
+                           f"{', '.join(served) or 'none'}", "model_not_found", "model")
+        return JSONResponse({"id": model_id, "object": "model", "created": self.started_s, "owned_by": "rackflow"})
 
     async def result(self, request: Request, request_id: str) -> JSONResponse:
         principal = self.principal(request)
@@ -475,7 +561,8 @@ class _Api(Edge):
         return JSONResponse({"status": "ok"})
 
 
-def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_auth: bool) -> FastAPI:
+def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_auth: bool,
+               engine: str | None = None) -> FastAPI:
     """The gateway's ASGI app. Raises AuthSetupError (a ConfigError) at once when auth is on but has no key.
 
     `etcd_url` is the sequence registry a job cancel finds the node of a running request in (without it, workers
@@ -485,7 +572,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
 
     authn = Authenticator(config.gateway.auth, no_auth)
     metrics = GatewayMetrics()
-    api = _Api(config, authn, metrics)
+    api = _Api(config, authn, metrics, engine or config.policies.worker.engine)
     jobs_api = JobsApi(config, api, redis_url, etcd_url)
 
     @asynccontextmanager
@@ -569,6 +656,10 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
     async def models(request: Request) -> Response:
         return api.models(request)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return api.model(request, model_id)
+
     @app.get("/v1/results/{request_id}")
     async def results(request: Request, request_id: str) -> Response:
         return await api.result(request, request_id)
@@ -617,14 +708,28 @@ class _Server(uvicorn.Server):
 
 
 def serve(
-    config: RackflowConfig, redis_url: str, etcd_url: str | None, host: str | None, port: int | None, no_auth: bool
+    config: RackflowConfig, redis_url: str, etcd_url: str | None, host: str | None, port: int | None, no_auth: bool,
+    engine: str | None = None,
 ) -> int:
-    """Run the gateway until SIGTERM/SIGINT; host/port default to gateway.host/gateway.port (port 0: any free)."""
-    app = create_app(config, redis_url, etcd_url, no_auth)
+    """Run the gateway until SIGTERM/SIGINT; host/port default to gateway.host/gateway.port (port 0: any free).
+    The socket is bound before anything else starts: a port in use ends the process at once, exit status 2, with a
+    message that names the port and the way out (uvicorn would log the error and then hang in its shutdown)."""
+    host = host or config.gateway.host
+    port = config.gateway.port if port is None else port
+    try:
+        sock = listen_socket(host, port, config.gateway.backlog)
+    except OSError as e:
+        msg = (f"gateway: cannot listen on {host}:{port}: {e.strerror or e}; "
+               + ("another process holds the port: pass --port (rackflow up: --gateway-port), or stop that process"
+                  if e.errno == errno.EADDRINUSE else "check gateway.host and the port"))
+        log.error("%s", msg)
+        print(msg, file=sys.stderr, flush=True)
+        return 2
+    app = create_app(config, redis_url, etcd_url, no_auth, engine)
     uv_config = uvicorn.Config(
         app,
-        host=host or config.gateway.host,
-        port=config.gateway.port if port is None else port,
+        host=host,
+        port=port,
         log_config=None,
         access_log=False,
         lifespan="on",
@@ -636,5 +741,20 @@ def serve(
         timeout_graceful_shutdown=config.gateway.shutdown_grace_s,
     )
     server = _Server(uv_config)
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv6 when the host is), SO_REUSEADDR as uvicorn sets it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -4,8 +4,11 @@ Owns what an OpenAI client sends (`/v1/completions`, `/v1/chat/completions`: pyd
 fields ignored so newer clients keep working) and what it gets back (`text_completion`, `chat.completion`,
 `chat.completion.chunk`, usage, the error body). Everything here is pure: no I/O, no clock (the caller passes
 `created`), no knowledge of Redis, auth or routing. Parameters the cluster cannot honour are rejected with a
-message that names the field (n > 1, echo, logprobs, token-id prompts), never silently dropped; sampling knobs that
-do not change what the engines do (temperature, top_p, seed, penalties, stop) are accepted.
+message that names the field, never silently dropped: the wire format's own refusals here (echo, suffix, best_of,
+token-id prompts, logit_bias, the legacy `functions`), and the sampler's per engine in the gateway
+(`pipeline.sampling`: what each engine honours of stop, seed, temperature, top_p, the penalties, logprobs,
+response_format and tools). Fields OpenAI's API does not define are ignored, so that clients sending vendor
+extensions keep working.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline.sampling import Sampling
 
 __all__ = [
     "ChatCompletionRequest",
@@ -47,20 +52,40 @@ class _Sampling(_Body):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     n: int | None = Field(default=None, ge=1, le=128)
-    """Completions per prompt; the gateway answers 400 above `gateway.max_n` (1)."""
+    """Completions per prompt (each its own sequence); the gateway answers 400 above `gateway.max_n`."""
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: list[str] | None = Field(default=None, max_length=4)
-    """Accepted for compatibility; the engines stop at max_tokens."""
+    """Up to 4 strings that end the answer (not included in it; finish_reason `stop`)."""
     user: str | None = Field(default=None, max_length=256)
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_texts(cls, v: list[str] | None) -> list[str] | None:
+        if v and any(not x for x in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported; leave the field out")
+        return v
+
+    def _sampling(self, logprobs: int | None, **extra: Any) -> Sampling:
+        return Sampling(stop=tuple(self.stop or ()), seed=self.seed, temperature=self.temperature, top_p=self.top_p,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                        logprobs=logprobs, **extra)
 
     @property
     def streaming(self) -> bool:
@@ -79,7 +104,8 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(default=None, ge=1)
     """Tokens to generate at most; absent: the gateway's estimate (the user's history, else the model default)."""
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    """The chosen token's log probability and this many alternatives (engines that have logits only)."""
     best_of: int | None = None
     suffix: str | None = None
 
@@ -103,12 +129,8 @@ class CompletionRequest(_Sampling):
             raise ValueError("echo is not supported; it must be false")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported; leave the field out")
-        return v
+    def sampling(self) -> Sampling:
+        return self._sampling(self.logprobs)
 
     @field_validator("best_of")
     @classmethod
@@ -157,21 +179,41 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """Preferred over `max_tokens` (newer clients send this one)."""
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported; it must be false")
-        return v
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("top_logprobs is not supported; leave the field out")
+    def _top_logprobs_needs_logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _format_type(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("type must be one of text, json_object, json_schema")
+        if v is not None and v.get("type") == "json_schema" and not isinstance(v.get("json_schema"), dict):
+            raise ValueError("a json_schema response_format needs a `json_schema` object")
+        return v
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("the legacy functions/function_call are not supported; send tools/tool_choice")
+        return v
+
+    def sampling(self) -> Sampling:
+        return self._sampling((self.top_logprobs or 0) if self.logprobs else None,
+                              response_format=self.response_format, tools=tuple(self.tools or ()),
+                              tool_choice=self.tool_choice)
 
     @property
     def output_limit(self) -> int | None:

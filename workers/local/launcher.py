@@ -240,7 +240,7 @@ class ClusterProcesses:
     def start_gateway(self, name: str = "gateway", port: int | None = None) -> RoleProcess:
         """An HTTP gateway on `port` (default: gateway_port); several may run, each on its own port."""
         port = self.gateway_port if port is None else port
-        extra = ["--port", str(port)]
+        extra = ["--port", str(port), "--engine", self.engine]
         if self.gateway_no_auth:
             extra.append("--no-auth")
         return self._spawn("gateway", name, extra, port=port)

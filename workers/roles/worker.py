@@ -41,13 +41,15 @@ from pipeline.events import (
     TokenEvent,
 )
 from pipeline.kv.snapshot import KvSnapshot
+from pipeline.sampling import SamplingRefused, StopMatcher, check_engine
+from pipeline.sampling import decode as decode_sampling
 from pipeline.sequences import Delivered, Intake, intake, intake_batch
 from pipeline.stats import stream_id_key
 from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers.control.failover import RELEASE_WAKE_TTL_S, release_wake_key
 from workers.engines import StepOutput, build_engine
-from workers.engines.base import EngineError
+from workers.engines.base import EngineError, SeqFinished
 from workers.kv.manager import KvTierManager
 from workers.shell import metrics, tracing
 from workers.shell.runtime import WALL, consumer_name, log_context
@@ -75,6 +77,12 @@ class _Live:
     resumed_at: int = 0
     span: Any = None
     """The `worker.generate` span while tracing is on and the request is traced (admission to final result)."""
+    stopper: StopMatcher | None = None
+    """The client's stop strings, matched here for an engine that does not stop on strings itself."""
+    stopped: bool = False
+    started_ms: float = 0.0
+    """When this worker handed it to the engine; `first_seen_ms`: when its first token came out here."""
+    first_seen_ms: float = 0.0
 
 
 class Worker:
@@ -202,7 +210,8 @@ class Worker:
                 left.add(rid)
                 self.entries_of.setdefault(rid, set()).add(d.id)
             elif decision is Intake.START:
-                self.live[rid] = started = _Live(req, batch.batch_id, batch.created_ms, d.id)
+                self.live[rid] = started = _Live(req, batch.batch_id, batch.created_ms, d.id,
+                                                 stopper=self._stopper(req), started_ms=now)
                 if req.trace and tracing.TRACER is not None:
                     started.span = self._start_span(req, batch.batch_id, now)
                 self.engine.submit(req)
@@ -274,7 +283,9 @@ class Worker:
             log.error("sequence %s: cannot resume here: %s", rid, e)
             metrics.MIGRATIONS.labels(self.node, "failed").inc()
             return
-        live = _Live(req, f"resume:{ev.src}", now, d.id, text=list(ev.texts))
+        # the stop strings are matched from here on (text the old owner held back from the client went with it)
+        live = _Live(req, f"resume:{ev.src}", now, d.id, text=list(ev.texts), stopper=self._stopper(req),
+                     started_ms=ev.start_ms or now)
         live.first_token_ms = ev.first_token_ms
         live.resumed_at = len(ev.generated)
         if req.trace and tracing.TRACER is not None:
@@ -338,7 +349,18 @@ class Worker:
             # the batcher never sends one (it rejects what no node's budget holds); admitted, a size of 1e308
             # would overflow the engine's memory ledger to inf/NaN and leave it one sequence at a time for good
             return f"mem_est_kb {req.mem_est_kb:g} is outside this node's budget [0, {budget_kb:g}] KB"
+        if req.sampling:  # a gateway refuses these first; a mixed cluster or an old gateway may still send one
+            try:
+                check_engine(decode_sampling(req.sampling), self.engine_name)
+            except (SamplingRefused, ValueError, TypeError) as e:
+                return str(e)
         return ""
+
+    def _stopper(self, req: RequestEvent) -> StopMatcher | None:
+        if not req.sampling or getattr(self.engine, "stops_on_strings", False):
+            return None
+        stops = decode_sampling(req.sampling).stop
+        return StopMatcher(stops) if stops else None
 
     def _refused_result(self, req: RequestEvent, batch_id: str, batched_ms: float, reason: str) -> ResultEvent:
         return ResultEvent.of(req, "error", self.node, self.rack, WALL.now_ms(), batch_id=batch_id,
@@ -490,17 +512,36 @@ class Worker:
 
     async def _handle_output(self, out: StepOutput, flush_all: bool) -> None:
         first: list[str] = []
+        stopped: list[SeqFinished] = []
         for t in out.tokens:
             live = self.live.get(t.request_id)
-            if live is None:
+            if live is None or live.stopped:
                 continue
-            live.pending_tokens.append((t.index, t.token_id, t.text))
-            live.text.append(t.text)
+            text = t.text
+            if live.stopper is not None:
+                text, hit = live.stopper.feed(text)
+                if hit:  # a stop string completed: the answer ends here, the stop string and what follows cut
+                    live.stopped = True
+                    self.engine.abort(t.request_id)
+                    now = WALL.now_ms()
+                    stopped.append(SeqFinished(t.request_id, t.index + 1, live.started_ms,
+                                               live.first_token_ms or live.first_seen_ms or now, now, "stop"))
+            live.pending_tokens.append((t.index, t.token_id, text))
+            live.text.append(text)
             if t.index == 0:
                 first.append(t.request_id)
+                live.first_seen_ms = WALL.now_ms()
         # the first token goes out at once (it is the client's time to first token); a finished sequence's last
         # tokens go out with its result; everything of this step in one round trip (two with the results)
-        finished = [f for f in out.finished if f.request_id in self.live]
+        finished = [f for f in out.finished if f.request_id in self.live and not self.live[f.request_id].stopped]
+        for f in finished:  # ended without a stop string: what was held back as a possible one goes out now
+            live = self.live[f.request_id]
+            if live.stopper is not None and (rest := live.stopper.flush()):
+                live.text.append(rest)
+                if live.pending_tokens:
+                    i, tid, txt = live.pending_tokens[-1]
+                    live.pending_tokens[-1] = (i, tid, txt + rest)
+        finished += stopped
         now = WALL.now_ms()
         tokens = self._token_events([*first, *(f.request_id for f in finished)], now)
         results = []
