@@ -64,20 +64,42 @@ def cmd_services(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
-def _gateway_url(gw: Any, host: str, wait_s: float = 20.0) -> str:
-    """Where a gateway listens: its fixed port, or (port 0: a free one it picked) the URL its log announces."""
-    if gw.metrics_port:
-        return f"http://{host}:{gw.metrics_port}"
+def _gateway_url(gw: Any, wait_s: float = 60.0) -> str:
+    """The URL a gateway announces once its socket listens ("gateway listening on URL" in its log). Raises
+    RuntimeError, with the reason from its log, when it exits first or says nothing within `wait_s`."""
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and gw.proc.poll() is None:
+    while True:
         try:
-            found = re.search(r"gateway listening on (http://\S+)", gw.log_path.read_text())
+            text = gw.log_path.read_text(errors="replace")
         except OSError:
-            found = None
+            text = ""
+        found = re.search(r"gateway listening on (http://\S+)", text)
         if found:
             return found.group(1)
-        time.sleep(0.2)
-    return f"http://{host}:? (not listening yet: see {gw.log_path})"
+        if gw.proc.poll() is not None:
+            why = next((ln for ln in reversed(text.splitlines()) if "cannot listen" in ln or "Error" in ln), "")
+            raise RuntimeError(f"{gw.name} exited with {gw.proc.returncode} at start"
+                               + (f": {why.strip()}" if why else "") + f" (log: {gw.log_path})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{gw.name} is not listening after {wait_s:g} s (log: {gw.log_path})")
+        time.sleep(0.1)
+
+
+def _ports_in_use(host: str, first: int | None, count: int) -> list[int]:
+    """The gateway ports (first, first + 1, ...) another process already listens on; port 0 or None: none."""
+    import socket
+
+    if not first:
+        return []
+    taken = []
+    for port in range(first, first + max(1, count)):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                taken.append(port)
+    return taken
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -88,8 +110,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     # ignored, and Python then never turns SIGINT into KeyboardInterrupt, so `kill -INT` would stop nothing
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: interrupted.append(1))
+    host = cluster.config.gateway.host
+    port = args.gateway_port if getattr(args, "gateway_port", None) is not None else cluster.config.gateway.port
+    taken = _ports_in_use(host, port, getattr(args, "gateways", 1))
+    if taken:  # before a process starts: a clash fails in a second, and no other server answers in our name
+        print(f"rackflow up: port {', '.join(map(str, taken))} on {host} is in use by another process; pass "
+              f"--gateway-port N (0: any free port) or stop that process", file=sys.stderr)
+        cluster.stop()
+        return 2
     try:
         cluster.start()
+        try:  # every gateway listening, or the one that could not, by name, with its log
+            urls = [_gateway_url(gw) for gw in cluster.procs.procs if gw.role == "gateway"]
+        except RuntimeError as e:
+            print(f"rackflow up: {e}", file=sys.stderr)
+            return 1
         n = len(cluster.procs.procs)
         fo = "" if args.no_failover else (f", {len(cluster.config.nodes())} health agents, monitor, celery worker"
                                           ", flower")
@@ -103,8 +138,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("redis   ACL users per role (`services up --secure`): each role logs in as rf-<role>", flush=True)
         procs = cluster.procs
         auth = "OFF (local run: set RACKFLOW_JWT_SECRET to require JWTs)" if procs.gateway_no_auth else "JWT"
-        for gw in [p for p in procs.procs if p.role == "gateway"]:
-            print(f"gateway {_gateway_url(gw, cluster.config.gateway.host)}/v1  auth: {auth}", flush=True)
+        for url in urls:
+            print(f"gateway {url}/v1  auth: {auth}", flush=True)
         if procs.flower_port is not None:
             print(f"flower  http://127.0.0.1:{procs.flower_port}/  (API enabled for local use)", flush=True)
         if args.metrics:
