@@ -185,7 +185,7 @@ def test_faults_injected_through_the_cli_change_the_next_samples(clean_services,
             # three CLI processes at once; long-lived faults, ended by `fault clear`: nothing here depends on how
             # fast a CLI process starts (this machine may be busy)
             results = await asyncio.gather(*(
-                _cli(ep, path, tmp_path, "fault", "inject", "--node", "n0", "--kind", *extra)
+                _cli(ep, path, tmp_path, "fault", "inject", "--node", "n0", "--json", "--kind", *extra)
                 for extra in (["xid"], ["overheat"], ["nvlink-crc", "--factor", "2"])
             ))
             assert all(rc == 0 for rc, _, _ in results), [err for _, _, err in results]
@@ -193,9 +193,11 @@ def test_faults_injected_through_the_cli_change_the_next_samples(clean_services,
             injected_ms = WALL.now_ms()
             injected = [(d["kind"], d["node"]) for d in (json.loads(out) for _, out, _ in results)]
             assert injected == [("xid", "n0"), ("overheat", "n0"), ("nvlink-crc", "n0")]
-            rc, out, err = await _cli(ep, path, tmp_path, "fault", "list", "--node", "n0")
+            rc, out, err = await _cli(ep, path, tmp_path, "fault", "list", "--node", "n0", "--json")
             assert rc == 0, err
             listed = {d["kind"]: d for d in map(json.loads, out.splitlines())}
+            rc, table, err = await _cli(ep, path, tmp_path, "fault", "list", "--node", "n0")
+            assert rc == 0 and table.count("active,") == 3 and "s left" in table, table + err
             assert set(listed) == {"xid", "overheat", "nvlink-crc"}
             assert all(d["state"] == "active" for d in listed.values())
 

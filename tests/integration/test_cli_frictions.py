@@ -68,7 +68,7 @@ def test_fault_list_without_node_lists_every_node(tmp_path: Path, clean_services
     for node in ("r0-n0", "r1-n1"):
         res = rf(*urls, "fault", "inject", "--node", node, "--kind", "slow", "--duration", "60", cwd=tmp_path)
         assert res.returncode == 0, res.stderr
-    res = rf(*urls, "fault", "list", cwd=tmp_path)
+    res = rf(*urls, "fault", "list", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert sorted(r["node"] for r in rows) == ["r0-n0", "r1-n1"] and {r["kind"] for r in rows} == {"slow"}

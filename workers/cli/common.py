@@ -12,6 +12,8 @@ from typing import Any
 from pipeline.config import DEFAULT_CONFIG_DIR, TOP_LEVEL_KEYS, RackflowConfig, load_config
 from workers.local.services import STATE_DIR
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def config_of(args: argparse.Namespace) -> RackflowConfig:
     return load_config(Path(args.config_dir), [Path(p) for p in args.config])
@@ -76,7 +78,8 @@ def add_global_flags(p: argparse.ArgumentParser, default: Any = None) -> None:
     p.add_argument("--etcd-url", default=d(None), help="existing etcd, http://HOST:PORT, or the members of one "
                    "cluster comma-separated, http://H1:P1,http://H2:P2,... (default: env RACKFLOW_ETCD_URL, else "
                    "the embedded services)")
-    p.add_argument("--log-level", default=d("INFO"))
+    p.add_argument("--log-level", default=d("INFO"), type=str.upper, choices=LOG_LEVELS,
+                   help="DEBUG, INFO (default), WARNING, ERROR or CRITICAL (any case)")
     p.add_argument("--log-json", action="store_true", default=d(False), help="log one JSON object per line (also "
                    "RACKFLOW_LOG_JSON=1 or policies.observability.log_json); role processes started by this "
                    "command log JSON too")

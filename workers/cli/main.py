@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.config import ConfigError
+from pipeline.errors import RackflowError
 from workers.cli import bench, jobs, local, replay, roles, sim, tools
 from workers.cli.common import add_global_flags, add_global_flags_to_subcommands, version
 
@@ -56,8 +57,23 @@ def _join_relative_times(argv: list[str]) -> list[str]:
     return out
 
 
+def _command_parser(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest parser of the command `args` came from (`rackflow sim run ...`: the `run` parser)."""
+    while True:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return p
+        chosen = getattr(args, subs[0].dest, None)
+        if chosen is None or chosen not in subs[0].choices:
+            return p
+        p = subs[0].choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(_join_relative_times(sys.argv[1:] if argv is None else list(argv)))
+    parser = build_parser()
+    args, extra = parser.parse_known_args(_join_relative_times(sys.argv[1:] if argv is None else list(argv)))
+    if extra:  # the command's own usage, not the top level's: what it takes is what the user needs to see
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.log_json:
         import os
 
@@ -67,8 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rackflow: {e}", file=sys.stderr)
         return 2
+    except RackflowError as e:  # ours, with a message that says what to change (a missing peer, a bad input)
+        print(f"rackflow: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`rackflow jobs status --json | head`): stop quietly, as a Unix filter does; stdout
+        # is pointed at /dev/null so that the interpreter's own flush at exit does not raise again
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

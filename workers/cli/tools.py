@@ -16,6 +16,25 @@ from workers.cli.common import config_of, endpoints
 from workers.local.cluster import DEFAULT_VLLM_CHECKPOINT
 
 
+def _clock(ms: float) -> str:
+    """A wall-clock time an operator reads: local date and time to the second, with the zone."""
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ms / 1000.0).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def _fault_line(node: str, f: Any, now_ms: float) -> str:
+    what = {"slow": f"{f.factor:g}x slower", "nvlink-crc": f"{f.factor * 500:g} NVLink CRC errors a sample"}.get(
+        f.kind, "")
+    if f.active_at(now_ms):
+        state = f"active, {max(0.0, (f.until_ms - now_ms) / 1000):.0f} s left"
+    elif now_ms < f.at_ms:
+        state = f"starts in {(f.at_ms - now_ms) / 1000:.0f} s"
+    else:
+        state = f"over {(now_ms - f.until_ms) / 1000:.0f} s ago"
+    return (f"{node:<10} {f.kind:<11} {what or '-':<28} {_clock(f.at_ms)} -> {_clock(f.until_ms)}  {state}")
+
+
 def cmd_fault(args: argparse.Namespace) -> int:
     from streams.runner import connect
     from workers.health import faults
@@ -23,25 +42,17 @@ def cmd_fault(args: argparse.Namespace) -> int:
 
     config = config_of(args)
     redis_url, _etcd_url = endpoints(args)
-    if args.action == "play":
-        if not args.schedule:
-            print("rackflow fault play: --schedule FILE required", file=sys.stderr)
-            return 2
-    elif not args.node and args.action != "list":  # `fault list` alone lists every node's faults
-        print(f"rackflow fault {args.action}: --node required", file=sys.stderr)
-        return 2
-    if args.action == "inject" and not args.kind:
-        print(f"rackflow fault inject: --kind required ({', '.join(faults.KINDS)})", file=sys.stderr)
-        return 2
     try:
         schedule = faults.load_schedule(Path(args.schedule)) if args.action == "play" else []
-        for n in [args.node] if args.node else [s.node for s in schedule]:
+        node = getattr(args, "node", None)
+        for n in [node] if node else [s.node for s in schedule]:
             config.node(n)
         if args.action == "inject":
             faults.check(args.kind, args.duration, faults.DEFAULT_FACTOR.get(args.kind, 1.0)
                          if args.factor is None else args.factor)
     except KeyError as e:
-        print(f"rackflow fault: {e.args[0]}", file=sys.stderr)
+        known = ", ".join(n.name for n in config.nodes())
+        print(f"rackflow fault: {e.args[0]} (this cluster's nodes: {known})", file=sys.stderr)
         return 2
     except faults.FaultError as e:
         print(f"rackflow fault: {e}", file=sys.stderr)
@@ -50,17 +61,35 @@ def cmd_fault(args: argparse.Namespace) -> int:
     async def go() -> int:
         r = connect(redis_url)
         try:
+            now = WALL.now_ms()
             if args.action == "inject":
-                f = await faults.inject(r, args.node, args.kind, args.duration, args.factor, now_ms=WALL.now_ms())
-                print(json.dumps({"node": args.node, **f.to_dict()}, sort_keys=True))
+                f = await faults.inject(r, args.node, args.kind, args.duration, args.factor, now_ms=now)
+                if args.json:
+                    print(json.dumps({"node": args.node, **f.to_dict()}, sort_keys=True))
+                else:
+                    print(f"injected {f.kind} on {args.node} (fault {f.id}); the node's health agent acts on it at "
+                          "its next sample, and `rackflow fault list` shows it")
+                    print(_fault_line(args.node, f, now))
             elif args.action == "clear":
                 print(f"cleared {await faults.clear(r, args.node)} faults of {args.node}")
             elif args.action == "list":
-                now = WALL.now_ms()
-                for node in [args.node] if args.node else [n.name for n in config.nodes()]:
-                    for f in sorted((await faults.listing(r, node)).values(), key=lambda f: f.kind):
-                        state = "active" if f.active_at(now) else "expired"
-                        print(json.dumps({"node": node, **f.to_dict(), "state": state}, sort_keys=True))
+                rows = []
+                for n in [args.node] if args.node else [x.name for x in config.nodes()]:
+                    for f in sorted((await faults.listing(r, n)).values(), key=lambda f: f.at_ms):
+                        rows.append((n, f))
+                if args.json:
+                    for n, f in rows:
+                        state = "active" if f.active_at(now) else ("pending" if now < f.at_ms else "expired")
+                        print(json.dumps({"node": n, **f.to_dict(), "state": state}, sort_keys=True))
+                elif not rows:
+                    print("no faults stored (an expired one stays listed until the agent clears it or "
+                          "`rackflow fault clear` does)")
+                else:
+                    print(f"{'node':<10} {'kind':<11} {'effect':<28} {'from -> until':<51}  state")
+                    for n, f in rows:
+                        print(_fault_line(n, f, now))
+                    print("a fault is what was injected; whether the node is in service now is the monitor's call "
+                          "(its log, or the node's state in etcd)")
             else:
                 stop = asyncio.Event()
                 loop = asyncio.get_running_loop()
@@ -196,16 +225,32 @@ def cmd_perf(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    s = sub.add_parser("fault", help="inject, list or clear faults of a simulated node (the sim agent acts on them)")
-    s.add_argument("action", choices=["inject", "clear", "list", "play"])
-    s.add_argument("--node", default=None)
-    s.add_argument("--kind", choices=["xid", "overheat", "nvlink-crc", "slow", "kill"], default=None)
-    s.add_argument("--duration", type=float, default=30.0, help="seconds the fault lasts (default 30)")
-    s.add_argument("--factor", type=float, default=None, help="slow: times slower (default 3); nvlink-crc: "
+    s = sub.add_parser("fault", help="inject, list or clear faults of a simulated node (the sim agent acts on them)",
+                       description="Faults of simulated nodes, read by each node's health agent (`--source sim`).")
+    fs = s.add_subparsers(dest="action", required=True, metavar="{inject,list,clear,play}")
+    node_help = "the node, as the cluster config names it (e.g. r0-n1)"
+    f = fs.add_parser("inject", help="inject a fault into one node", description="Inject a fault into one node: "
+                      "its health agent samples it, the monitor scores the node and drains it when it must.")
+    f.add_argument("--node", required=True, help=node_help)
+    f.add_argument("--kind", required=True, choices=["xid", "overheat", "nvlink-crc", "slow", "kill"],
+                   help="xid: a GPU error; overheat; nvlink-crc: link errors; slow: iterations take --factor times "
+                        "longer; kill: the worker process dies")
+    f.add_argument("--duration", type=float, default=30.0, help="seconds the fault lasts (default 30)")
+    f.add_argument("--factor", type=float, default=None, help="slow: times slower (default 3); nvlink-crc: "
                    "x 500 errors per sample (default 1)")
-    s.add_argument("--schedule", default=None, metavar="FILE",
-                   help="play: YAML list of {at_s, node, kind, duration_s, factor}")
-    s.set_defaults(fn=cmd_fault)
+    f.add_argument("--json", action="store_true", help="print the stored fault as JSON (times in epoch ms)")
+    f.set_defaults(fn=cmd_fault)
+    f = fs.add_parser("list", help="the faults stored, with wall-clock times and whether each is active")
+    f.add_argument("--node", default=None, help=node_help + " (default: every node)")
+    f.add_argument("--json", action="store_true", help="one JSON object per fault (times in epoch ms)")
+    f.set_defaults(fn=cmd_fault)
+    f = fs.add_parser("clear", help="remove every fault of one node")
+    f.add_argument("--node", required=True, help=node_help)
+    f.set_defaults(fn=cmd_fault)
+    f = fs.add_parser("play", help="inject a schedule of faults at their times")
+    f.add_argument("--schedule", required=True, metavar="FILE",
+                   help="YAML list of {at_s, node, kind, duration_s, factor}")
+    f.set_defaults(fn=cmd_fault)
 
     s = sub.add_parser("token", help="mint an HS256 JWT for the gateway (secret from gateway.auth.secret_env)")
     s.add_argument("--tenant", required=True)
