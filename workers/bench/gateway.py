@@ -14,7 +14,7 @@ Reported, as medians over repeats:
 - `shed`: 429 answers (load shed, reported apart from errors);
 - `cpu_us_per_request`: CPU time (user + system) each role process spent per completed request over the measured
   runs, from /proc/<pid>/stat (gateway, router, batcher, workers) and Valkey's own `INFO cpu`; the load generator
-  is apart. A profile of one role names its hot functions: `py-spy record -p <pid>` (README, Benchmarks).
+  is apart. A profile of one role names its hot functions: `py-spy record -p <pid>` (docs/GUIDE.md, Benchmarks).
 `--http-parser h11|httptools` picks uvicorn's parser for the gateway (default: the config's, httptools).
 `--window-hold` runs the batcher with `close_when_room` off (the window holds a request a node could start now until
 it closes on its budget or its `window_ms`), to measure what closing on room buys.

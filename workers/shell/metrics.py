@@ -4,7 +4,7 @@ the roles already compute (stats dataclasses, events they handle); this module o
 
 Names follow the Prometheus conventions: `rackflow_<what>_total` for counters, a unit suffix for the rest (the
 request latencies in `_seconds` like the gateway's, the engine and window timings in `_ms` as they always were).
-README "Observability" lists them; `deploy/grafana/rackflow-dashboard.json` is built on them (a unit test checks
+docs/GUIDE.md "Observability" lists them; `deploy/grafana/rackflow-dashboard.json` is built on them (a unit test checks
 that every name it uses is defined here or in the gateway's registry).
 """
 
