@@ -210,7 +210,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    from workers.cli.common import config_of, endpoints
+    from workers.local.status import cluster_status, format_status
+    from workers.shell.runtime import WALL
+
+    config = config_of(args)
+    redis_url, etcd_url = endpoints(args)
+    while True:
+        try:
+            st = asyncio.run(cluster_status(config, redis_url, etcd_url, WALL.now_ms()))
+        except (RedisError, OSError) as e:
+            print(f"rackflow status: cannot read the cluster's state from {redact(redis_url)} / {etcd_url}: {e}",
+                  file=sys.stderr)
+            return 1
+        if args.json:
+            print(json.dumps(st, sort_keys=True), flush=True)
+        else:
+            if args.watch is not None:
+                print("\033[2J\033[H", end="")  # clear the terminal between refreshes
+            print(format_status(st), flush=True)
+        if args.watch is None:
+            return 0
+        time.sleep(args.watch)
+
+
 def add_parser(sub: Any) -> None:
+    s = sub.add_parser("status", help="the running cluster: nodes (state, health, load, last fault), roles, drains",
+                       description="The running cluster as its roles publish it: each node's state (the monitor's "
+                       "verdict), health score, sequences, KV use and last fault; the roles and whether they are "
+                       "alive; the last drains, recoveries and migrations, with wall-clock times.")
+    s.add_argument("--json", action="store_true", help="one JSON object (times in epoch ms)")
+    s.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+    s.set_defaults(fn=cmd_status)
+
     s = sub.add_parser("services", help="embedded Valkey + etcd on free loopback ports")
     s.add_argument("action", choices=["up", "down", "status"])
     s.add_argument("--json", action="store_true")
