@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -116,4 +117,8 @@ def test_export_import_replay_reproduces_a_live_run_and_what_if_differs(  # type
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (report / "index.html").read_text()
     assert "latency.png" in page and "Replay" in page
-    assert "draining" in (report / "summary.txt").read_text()
+    summary_txt = (report / "summary.txt").read_text()
+    assert "draining" in summary_txt
+    # wall-clock times, not offsets: the window's bounds and each drain at its time of day
+    assert re.search(r"from \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", summary_txt), summary_txt
+    assert re.search(r"health: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+ r0-n1 draining", summary_txt), summary_txt

@@ -45,6 +45,10 @@ class Timeline:
         self.migrations: dict[int, int] = defaultdict(int)
         self.dlq: dict[int, int] = defaultdict(int)
         self.drained: list[tuple[float, str, str]] = []
+        """(ts, node, what): the drains and recoveries the monitor's scorer gives the recorded samples."""
+        self.failovers: list[tuple[float, str, str]] = []
+        """(ts, node, state: reason): the monitor's own decisions as recorded on `rf:decisions` (drawn when any)."""
+        self.migration_times: list[float] = []
         self.totals: dict[str, int] = defaultdict(int)
 
     def bin(self, ts: float) -> int | None:
@@ -95,6 +99,10 @@ class Timeline:
             if ev.kind == "migration":
                 self.migrations[b] += 1
                 self.totals["migrations"] += 1
+                self.migration_times.append(ev.ts_ms)
+            elif ev.kind == "failover":
+                node, _, state = ev.choice.partition(":")
+                self.failovers.append((ev.ts_ms, node, f"{state}: {ev.batch_id}" if ev.batch_id else state))
             elif ev.kind == "window":
                 rack = ev.rack or "?"
                 self.queue[rack][b] = max(self.queue[rack].get(b, 0.0), float(ev.scores.get("pending", 0.0)))
@@ -104,70 +112,109 @@ class Timeline:
         return max(1, math.ceil((self.t1 - self.t0) / BIN_MS))
 
 
+def _clock(ms: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ms / 1000.0).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
 def _plots(tl: Timeline, out: Path) -> list[str]:
+    """latency.png, load.png and health.png, on a wall-clock axis (local time), with the monitor's recorded drains
+    and recoveries as vertical lines on every panel and each migration as a tick; a panel without data is left out,
+    and a figure without any panel is not drawn."""
+    import datetime
+
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
-    xs = [i * BIN_MS / 1000.0 for i in range(tl.bins)]
-    names: list[str] = []
+    def when(ms: float) -> datetime.datetime:
+        return datetime.datetime.fromtimestamp(ms / 1000.0).astimezone()
 
-    def save(fig: Any, name: str) -> None:
+    xs = [when(tl.t0 + i * BIN_MS) for i in range(tl.bins)]
+    width = BIN_MS / 86_400_000.0  # one bin, in days (matplotlib's date unit)
+    names: list[str] = []
+    markers = tl.failovers or [(t, node, what) for t, node, what in tl.drained]
+
+    def figure(name: str, panels: list[Any]) -> None:
+        panels = [pn for pn in panels if pn is not None]
+        if not panels:
+            return
+        fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels) + 0.4), sharex=True, squeeze=False)
+        for ax, draw in zip(axes[:, 0], panels, strict=True):
+            draw(ax)
+            for t, _node, what in markers:
+                c = "#e45756" if "draining" in what or "dead" in what else "#54a24b"
+                ax.axvline(when(t), color=c, ls=":", lw=1.2)
+            for t in tl.migration_times:
+                ax.axvline(when(t), color="#b279a2", lw=0.6, alpha=0.5, ymax=0.06)
+        top = axes[0, 0]
+        for t, node, what in markers:
+            top.annotate(f"{node} {what.split(':')[0]}", (mdates.date2num(when(t)), 1.0), xycoords=("data", "axes "
+                         "fraction"), rotation=90, fontsize=7, va="top", ha="right")
+        axes[-1, 0].xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S", tz=xs[0].tzinfo))
+        axes[-1, 0].set_xlabel(f"wall-clock time ({xs[0].strftime('%Z')}), 10 s bins; dotted lines: drains (red) "
+                               "and recoveries (green); ticks at the bottom: migrations")
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         names.append(name)
 
-    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    ax[0].bar(xs, [tl.arrivals.get(i, 0) / (BIN_MS / 1000) for i in range(tl.bins)], width=BIN_MS / 1000 * 0.9,
-              align="edge", color="#4c78a8", label="arrivals/s")
-    ax[0].bar(xs, [tl.errors.get(i, 0) / (BIN_MS / 1000) for i in range(tl.bins)], width=BIN_MS / 1000 * 0.9,
-              align="edge", color="#e45756", label="errors/s")
-    ax[0].set_ylabel("requests / s")
-    ax[0].legend(loc="upper right")
-    for q, c in ((50, "#54a24b"), (95, "#f58518"), (99, "#e45756")):
-        ax[1].plot(xs, [_bin_pct(tl.latency.get(i, []), q) / 1000 for i in range(tl.bins)], marker=".", color=c,
-                   label=f"P{q} end-to-end")
-    ax[1].plot(xs, [_bin_pct(tl.ttft.get(i, []), 95) / 1000 for i in range(tl.bins)], ls="--", color="#72b7b2",
-               label="P95 TTFT")
-    ax[1].set_ylabel("seconds")
-    ax[1].set_xlabel("seconds since the window start (10 s bins, by finish time)")
-    ax[1].legend(loc="upper right", fontsize=8)
-    save(fig, "latency.png")
+    def arrivals(ax: Any) -> None:
+        ax.bar(xs, [tl.arrivals.get(i, 0) / (BIN_MS / 1000) for i in range(tl.bins)], width=width * 0.9,
+               align="edge", color="#4c78a8", label="arrivals/s")
+        ax.bar(xs, [tl.errors.get(i, 0) / (BIN_MS / 1000) for i in range(tl.bins)], width=width * 0.9,
+               align="edge", color="#e45756", label="errors/s")
+        ax.set_ylabel("requests / s")
+        ax.legend(loc="upper right")
 
-    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for node in sorted(tl.load):
-        ax[0].plot(xs, [(sum(v) / len(v)) if (v := tl.load[node].get(i)) else math.nan for i in range(tl.bins)],
-                   label=node)
-    ax[0].set_ylabel("running + waiting")
-    ax[0].set_title("per-node load (worker status)")
-    if tl.load:
-        ax[0].legend(loc="upper right", fontsize=7, ncol=4)
-    for rack in sorted(tl.queue):
-        ax[1].plot(xs, [tl.queue[rack].get(i, 0.0) for i in range(tl.bins)], label=rack)
-    ax[1].set_ylabel("requests waiting")
-    ax[1].set_title("window queue depth per rack (max after a close)")
-    ax[1].set_xlabel("seconds since the window start")
-    if tl.queue:
-        ax[1].legend(loc="upper right", fontsize=7)
-    save(fig, "load.png")
+    def latency(ax: Any) -> None:
+        for q, c in ((50, "#54a24b"), (95, "#f58518"), (99, "#e45756")):
+            ax.plot(xs, [_bin_pct(tl.latency.get(i, []), q) / 1000 for i in range(tl.bins)], marker=".", color=c,
+                    label=f"P{q} end-to-end")
+        ax.plot(xs, [_bin_pct(tl.ttft.get(i, []), 95) / 1000 for i in range(tl.bins)], ls="--", color="#72b7b2",
+                label="P95 TTFT")
+        ax.set_ylabel("seconds (by finish time)")
+        ax.legend(loc="upper right", fontsize=8)
 
-    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for node in sorted(tl.health):
-        ax[0].plot(xs, [tl.health[node].get(i, math.nan) for i in range(tl.bins)], label=node, marker=".")
-    ax[0].set_ylim(-0.05, 1.05)
-    ax[0].set_ylabel("health score (min per bin)")
-    if tl.health:
-        ax[0].legend(loc="lower left", fontsize=7, ncol=4)
-    ax[1].bar(xs, [tl.migrations.get(i, 0) for i in range(tl.bins)], width=BIN_MS / 1000 * 0.45, align="edge",
-              color="#b279a2", label="migrations")
-    ax[1].bar([x + BIN_MS / 2000 for x in xs], [tl.dlq.get(i, 0) for i in range(tl.bins)],
-              width=BIN_MS / 1000 * 0.45, align="edge", color="#9d755d", label="DLQ entries")
-    ax[1].set_ylabel("count per 10 s")
-    ax[1].set_xlabel("seconds since the window start")
-    ax[1].legend(loc="upper right")
-    save(fig, "health.png")
+    def load(ax: Any) -> None:
+        for node in sorted(tl.load):
+            ax.plot(xs, [(sum(v) / len(v)) if (v := tl.load[node].get(i)) else math.nan for i in range(tl.bins)],
+                    label=node)
+        ax.set_ylabel("running + waiting")
+        ax.set_title("per-node load (worker status)")
+        ax.legend(loc="upper right", fontsize=7, ncol=4)
+
+    def queue(ax: Any) -> None:
+        for rack in sorted(tl.queue):
+            ax.plot(xs, [tl.queue[rack].get(i, 0.0) for i in range(tl.bins)], label=rack)
+        ax.set_ylabel("requests waiting")
+        ax.set_title("window queue depth per rack (max after a close)")
+        ax.legend(loc="upper right", fontsize=7)
+
+    def health(ax: Any) -> None:
+        for node in sorted(tl.health):
+            ax.plot(xs, [tl.health[node].get(i, math.nan) for i in range(tl.bins)], label=node, marker=".")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel("health score (min per bin)")
+        ax.legend(loc="lower left", fontsize=7, ncol=4)
+
+    def counts(ax: Any) -> None:
+        ax.bar(xs, [tl.migrations.get(i, 0) for i in range(tl.bins)], width=width * 0.45, align="edge",
+               color="#b279a2", label="migrations")
+        ax.bar([x + datetime.timedelta(milliseconds=BIN_MS / 2) for x in xs], [tl.dlq.get(i, 0) for i in
+                                                                               range(tl.bins)],
+               width=width * 0.45, align="edge", color="#9d755d", label="DLQ entries")
+        ax.set_ylabel("count per 10 s")
+        ax.legend(loc="upper right")
+
+    has_results = any(tl.latency.values()) or any(tl.ttft.values())
+    figure("latency.png", [arrivals if (tl.arrivals or tl.errors) else None, latency if has_results else None])
+    figure("load.png", [load if tl.load else None, queue if any(tl.queue.values()) else None])
+    figure("health.png", [health if tl.health else None,
+                          counts if (tl.totals["migrations"] or tl.totals["dlq"]) else None])
     return names
 
 
@@ -208,7 +255,8 @@ def write_report(path: Path, header: Header, config: RackflowConfig, policy: str
         f"{kind} with node policy {rs['policy']}: {rs['matched']}/{rs['decisions']} decisions as recorded "
         f"({100 * float(rs['match_rate']):.2f}%), {rs['differences']} differences",
     ]
-    lines += [f"health: +{(t - header.since_ms) / 1000:.1f} s {node} {what}" for t, node, what in tl.drained[:50]]
+    lines.insert(1, f"from {_clock(header.since_ms)} to {_clock(header.until_ms)}")
+    lines += [f"health: {_clock(t)} {node} {what}" for t, node, what in (tl.failovers or tl.drained)[:50]]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     diff_rows = [[d.kind, d.request_id, f"{(d.ts_ms - header.since_ms) / 1000:.1f}", d.where, d.recorded,
                   d.replayed] for d in rp.differences[:500]]
@@ -220,14 +268,15 @@ def write_report(path: Path, header: Header, config: RackflowConfig, policy: str
     diff_html = (_table(diff_rows, ["kind", "request", "t (s)", "rack / model", "recorded", "replayed"]) if diff_rows
                  else "<p>None: every decision came out as recorded.</p>")
     title = html.escape(path.name)
+    captions = {"latency.png": "Arrivals and latency", "load.png": "Load and queue depth",
+                "health.png": "Health, migrations, dead letters"}
+    figures = "\n".join(f'<h2>{captions[n]}</h2><img src="{n}" alt="{n[:-4]}">' for n in plots)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rackflow incident {title}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:2px 6px}}img{{max-width:100%}}</style></head><body>
 <h1>Incident {title}</h1>
 <pre>{html.escape(chr(10).join(lines))}</pre>
-<h2>Arrivals and latency</h2><img src="latency.png" alt="latency">
-<h2>Load and queue depth</h2><img src="load.png" alt="load">
-<h2>Health, migrations, dead letters</h2><img src="health.png" alt="health">
+{figures}
 <h2>{kind}: decisions that differ ({rs['differences']})</h2>
 {diff_html}
 <h2>Requests per node</h2>
