@@ -781,7 +781,7 @@ class Simulator:
                 nxt += 1
                 self.events += 1
                 if self.progress is not None and nxt % report_every == 0:
-                    self.progress(now, nxt, self.completed)
+                    self.progress(now, nxt, self.completed + self.n_dropped)
                 continue
             t, kind, _s, _k, payload = heapq.heappop(heap)
             now = t
@@ -802,11 +802,11 @@ class Simulator:
                 self._fault(payload, now)
         for node in self.nodes:
             node._account_mem(now)
-        if self.progress is not None:
-            self.progress(now, n, self.completed)
         for rid in range(n):
             if self.finish[rid] < 0 and not self.dropped[rid]:
                 self._drop(rid, "never finished")
+        if self.progress is not None:  # every request settled: a progress bar ends at 100%, shed ones included
+            self.progress(now, n, self.completed + self.n_dropped)
         span = max(now, 1e-9)
         return SimResult(
             arrival=[r.arrival_ms for r in self.reqs], first_token=self.first_token, finish=self.finish,

@@ -197,3 +197,4 @@ def test_synthetic_rate_scaling_users_and_superposition() -> None:
     assert top == "user-00000"  # Zipf: the first user is the heaviest
     many = superpose(users[:100], 3, random.Random(3))
     assert len(many) == 300 and len({u.user_id for u in many}) > len({u.user_id for u in users[:100]})
+

@@ -109,8 +109,8 @@ def run_once(config: RackflowConfig, reqs: list[TraceRequest], params: SimParams
     bar = tqdm(total=len(reqs), desc=label, unit="req", disable=not progress, file=sys.stderr, dynamic_ncols=True,
                mininterval=0.5)
 
-    def tick(now_ms: float, arrived: int, completed: int) -> None:
-        bar.n = completed
+    def tick(now_ms: float, arrived: int, settled: int) -> None:
+        bar.n = settled  # completed or shed: the bar reaches 100% when every request has its outcome
         bar.set_postfix(sim_s=f"{now_ms / 1000:.0f}", arrived=arrived, refresh=False)
         bar.refresh()
 
