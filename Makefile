@@ -103,8 +103,16 @@ run: $(STAMP)
 test: $(STAMP) $(SIMC)
 	$(PY) -m pytest -q -m "not long and not parity and not vllm and not vidur and not decisions_vllm" tests
 
+# everything: the main suite (long and hardening tests included), then the vLLM tiers in .venv-vllm; where
+# .venv-vllm cannot be built, it says the vLLM tiers were skipped and why, and fails
 test-all: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not vllm and not decisions_vllm" tests
+	@if $(MAKE) --no-print-directory $(VSTAMP) > .vllm-build.log 2>&1; then \
+	  $(MAKE) --no-print-directory test-vllm test-decisions-vllm; \
+	else \
+	  echo "test-all: the vLLM tiers were SKIPPED: .venv-vllm could not be built (the last lines of .vllm-build.log:)"; \
+	  tail -n 5 .vllm-build.log; exit 1; \
+	fi
 
 # the live pipeline against the simulator: two traces x three node policies, each on a cold cluster (~10 min)
 test-parity: $(STAMP)

