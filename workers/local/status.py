@@ -107,7 +107,7 @@ async def cluster_status(config: RackflowConfig, redis_url: str, etcd_url: str, 
                 "running": st.running if st else 0, "waiting": st.waiting if st else 0,
                 "kv_used_frac": round(st.kv_used_kb / st.kv_capacity_kb, 3) if st and st.kv_capacity_kb else 0.0,
                 "step_ms": round(st.avg_latency_ms, 2) if st else 0.0,
-                "status_age_s": round((now_ms - st.ts_ms) / 1000.0, 1) if st else None,
+                "status_age_s": round(max(0.0, now_ms - st.ts_ms) / 1000.0, 1) if st else None,
                 "last_fault": ({"kind": last.kind, "from_ms": last.at_ms, "until_ms": last.until_ms,
                                 "active": last.active_at(now_ms)} if last else None),
             })
