@@ -90,3 +90,28 @@ def test_commands_find_the_servers_of_rackflow_up(tmp_path: Path) -> None:
         svc.stop()
     res = rf("fault", "list", "--node", "r0-n0", cwd=tmp_path)
     assert res.returncode != 0 and "rackflow up" in res.stderr and "--redis-url" in res.stderr
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`rackflow ... | head` where head has gone: exit 0 and no traceback (the write end's reader is closed before
+    the command starts, so every write meets a broken pipe)."""
+    import os as _os
+
+    r, w = _os.pipe()
+    _os.close(r)
+    env = {k: v for k, v in _os.environ.items() if not k.startswith("RACKFLOW_")}
+    try:
+        res = subprocess.run([*RF, "config", "check"], cwd=tmp_path, env=env, stdout=w, stderr=subprocess.PIPE,
+                             text=True, timeout=60)
+    finally:
+        _os.close(w)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "BrokenPipeError" not in res.stderr, res.stderr
+
+
+def test_a_wrong_flag_shows_the_commands_own_usage(tmp_path: Path) -> None:
+    res = rf("fault", "inject", "--node", "r0-n0", "--kind", "xid", "--bogus", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "usage: rackflow fault inject" in res.stderr and "--bogus" in res.stderr, res.stderr
+    res = rf("--log-level", "LOUD", "config", "check", cwd=tmp_path)
+    assert res.returncode == 2 and "invalid choice: 'LOUD'" in res.stderr, res.stderr

@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ["RACKFLOW_LOG_JSON"] = "1"  # the role processes `up`/`demo` start inherit it
     try:
-        return int(args.fn(args) or 0)
+        rc = int(args.fn(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is handled below, not by a traceback
+        return rc
     except ConfigError as e:
         print(f"rackflow: {e}", file=sys.stderr)
         return 2
