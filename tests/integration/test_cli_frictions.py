@@ -115,3 +115,19 @@ def test_a_wrong_flag_shows_the_commands_own_usage(tmp_path: Path) -> None:
     assert "usage: rackflow fault inject" in res.stderr and "--bogus" in res.stderr, res.stderr
     res = rf("--log-level", "LOUD", "config", "check", cwd=tmp_path)
     assert res.returncode == 2 and "invalid choice: 'LOUD'" in res.stderr, res.stderr
+
+
+def test_each_sim_and_fault_subcommand_has_its_own_flags(tmp_path: Path) -> None:
+    """`rackflow sim run --help` lists run's flags, not matrix's or validate's; an experiment's names are the
+    experiments module's."""
+    from workers.cli.sim import EXPERIMENT_NAMES
+    from workers.sim.experiments import EXPERIMENTS
+
+    assert tuple(EXPERIMENT_NAMES) == tuple(EXPERIMENTS)
+    run_help = rf("sim", "run", "--help", cwd=tmp_path).stdout
+    assert "--superpose" in run_help and "--digest" in run_help
+    assert "--loads" not in run_help and "--live-requests" not in run_help and "--sizes" not in run_help
+    matrix_help = rf("sim", "matrix", "--help", cwd=tmp_path).stdout
+    assert "--loads" in matrix_help and "--digest" not in matrix_help
+    bad = rf("sim", "validate", "--superpose", "3", cwd=tmp_path)
+    assert bad.returncode == 2 and "usage: rackflow sim validate" in bad.stderr, bad.stderr

@@ -163,81 +163,235 @@ def _emit(out: dict[str, Any], as_json: bool) -> None:
         print(f"{k:<22} {v}")
 
 
+def _flags() -> dict[str, dict[str, Any]]:
+    """Every flag of `rackflow sim`, by name, with its add_argument keywords; each subcommand adds those it reads
+    (SUBCOMMANDS)."""
+    return {
+    "--control-plane": dict(
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE",
+        help="model routers, batchers, Valkey shards, etcd and node links as stations with the measured "
+                 "costs of FILE (default data/calibration/control-plane.json); off without this flag"),
+    "--routers": dict(
+        type=int,
+        default=1,
+        help="with --control-plane: router processes"),
+    "--batchers-per-rack": dict(
+        type=int,
+        default=1,
+        help="with --control-plane: batcher processes per rack"),
+    "--valkey-shards": dict(
+        type=int,
+        default=1,
+        help="with --control-plane: shards the per-rack/node/request streams spread over"),
+    "--trace": dict(
+        default=None,
+        help=f"trace file (default for azure: {AZURE_CONV.relative_to(REPO)})"),
+    "--format": dict(
+        default="azure",
+        choices=["azure", "mooncake", "synthetic"]),
+    "--cluster": dict(
+        default=None,
+        help="YAML with a `cluster:` (and optionally other sections) "
+                 "merged over configs/"),
+    "--policy": dict(
+        default=None,
+        help="node policy (default: node_selection.policy)"),
+    "--policies": dict(
+        default=None,
+        help=f"compare: comma-separated node policies (default {COMPARE_POLICIES}); matrix: default all"),
+    "--traces": dict(
+        default=None,
+        help="matrix: PATH:FORMAT,... (FORMAT azure|mooncake; default the Azure "
+                 "conv and code traces and the Mooncake trace)"),
+    "--loads": dict(
+        default=None,
+        help="matrix: fractions of capacity (default 0.5,0.8,1.0,1.5)"),
+    "--states": dict(
+        default=None,
+        help="matrix: healthy,slow,death (default all three)"),
+    "--repeats": dict(
+        type=int,
+        default=1,
+        help="matrix: runs per cell with other user draws and seeds, "
+                 "latencies pooled"),
+    "--jobs": dict(
+        type=int,
+        default=None,
+        help="matrix: worker processes (default: the CPU count)"),
+    "--model": dict(
+        default=None,
+        help="model of the trace's requests (default: the first served)"),
+    "--rate-scale": dict(
+        type=float,
+        default=None,
+        help="multiply the request rate (default 1; "
+                 "experiments pick their own)"),
+    "--sizes": dict(
+        default=None,
+        help="scale-pareto: GPU counts, e.g. 64,128,256,512,1024"),
+    "--requests": dict(
+        type=int,
+        default=None,
+        help="use the first N requests"),
+    "--flood-requests": dict(
+        type=int,
+        default=None,
+        help="scale-pareto: requests of the capacity floods (default 80,000)"),
+    "--capacity-sizes": dict(
+        default=None,
+        help="scale-pareto: GPU counts whose capacity is measured (default 512,1024 where in --sizes)"),
+    "--flood-scale": dict(
+        type=float,
+        default=None,
+        help="scale-pareto: the floods arrive this many times faster than the seed's load (default 40)"),
+    "--sat-racks": dict(
+        type=int,
+        default=None,
+        help="sizing: racks of the router-saturation cluster (16)"),
+    "--sat-seconds": dict(
+        type=float,
+        default=None,
+        help="sizing: seconds of arrivals per saturation run"),
+    "--superpose": dict(
+        type=int,
+        default=1,
+        help="K independent copies of the trace over the same hour "
+                 "(K x the load; 11 x Azure conv = the seed's 5 M/day)"),
+    "--users": dict(
+        type=int,
+        default=2000,
+        help="users drawn (Zipf) for requests without one"),
+    "--zipf": dict(
+        type=float,
+        default=1.1,
+        help="Zipf exponent of user popularity"),
+    "--shared-prefix-blocks": dict(
+        type=int,
+        default=0,
+        help="requests of one user share this many 512-token prefix blocks (system prompt)"),
+    "--batching": dict(
+        choices=["window", "fixed"],
+        default="window"),
+    "--fixed-batch": dict(
+        type=int,
+        default=32),
+    "--window-ms": dict(
+        type=int,
+        default=None),
+    "--no-prefix-cache": dict(
+        action="store_true"),
+    "--faults": dict(
+        default=None,
+        help="NODE@SECONDS:KIND[:DURATION_S[:FACTOR]],... "
+                 "KIND death|xid|slow"),
+    "--seed": dict(
+        type=int,
+        default=20231116),
+    "--data": dict(
+        default=None,
+        help="trace servegen: a model's directory of ServeGen client data"),
+    "--hour": dict(
+        type=int,
+        default=None,
+        help="trace servegen: the hour of ServeGen's day to draw "
+                 "(default: the busiest)"),
+    "--keep": dict(
+        type=float,
+        default=0.1,
+        help="trace servegen: share of the hour's requests kept "
+                 "(default 0.1)"),
+    "--live": dict(
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="validate: also run a trace through the live pipeline on vLLM's CPU engine and through the "
+                 "simulator fitted to it (auto: when .venv-vllm exists; on: fail without it)"),
+    "--live-requests": dict(
+        type=int,
+        default=300,
+        help="validate: requests of the live-vs-sim run"),
+    "--live-load": dict(
+        type=float,
+        default=0.35,
+        help="validate: the live run's load, a fraction of the "
+                 "node's simulated capacity"),
+    "--out": dict(
+        default=None,
+        help="directory for JSON and PNG output"),
+    "--json": dict(
+        action="store_true"),
+    "--oracle": dict(
+        action="store_true",
+        help="hand the control plane what no live one has (each request's true output length, each "
+                 "node's exact speed): the behaviour before the oracle-free simulator, for comparison; every "
+                 "JSON says which ran (`oracle`)"),
+    "--no-progress": dict(
+        action="store_true"),
+    "--digest": dict(
+        action="store_true",
+        help="run: add `digest`, a sha256 of every request's timings and placement (equal digests: the "
+                 "same decisions)"),
+    }
+
+
+TRACE_FLAGS = ["--trace", "--format", "--requests", "--model", "--rate-scale", "--superpose", "--users", "--zipf",
+               "--shared-prefix-blocks", "--seed"]
+CLUSTER_FLAGS = ["--cluster", "--policy", "--batching", "--fixed-batch", "--window-ms", "--no-prefix-cache", "--faults"]
+CONTROL_PLANE_FLAGS = ["--control-plane", "--routers", "--batchers-per-rack", "--valkey-shards"]
+OUTPUT_FLAGS = ["--out", "--json", "--no-progress", "--oracle"]
+SUBCOMMANDS: dict[str, tuple[str, list[str]]] = {
+    "run": ("simulate one policy on a trace", TRACE_FLAGS + CLUSTER_FLAGS + CONTROL_PLANE_FLAGS + OUTPUT_FLAGS
+            + ["--digest"]),
+    "compare": ("every node policy on the same requests, side by side, with a plot",
+                TRACE_FLAGS + [f for f in CLUSTER_FLAGS if f != "--policy"] + CONTROL_PLANE_FLAGS + OUTPUT_FLAGS
+                + ["--policies"]),
+    "matrix": ("every node policy on every trace x cluster state x load, scored per cell",
+               ["--traces", "--loads", "--states", "--policies", "--repeats", "--jobs", "--requests", "--users",
+                "--seed", "--cluster", *OUTPUT_FLAGS]),
+    "experiment": ("a named experiment (its JSON and plot under report/sim-NAME)",
+                   TRACE_FLAGS + CONTROL_PLANE_FLAGS + OUTPUT_FLAGS
+                   + ["--cluster", "--sizes", "--flood-requests", "--capacity-sizes", "--flood-scale", "--sat-racks",
+                      "--sat-seconds"]),
+    "trace": ("write a trace file: the multi-turn synthetic one, or an hour drawn from ServeGen's data",
+              ["--data", "--hour", "--keep", "--requests", "--seed", "--out", "--cluster"]),
+    "validate": ("the cost model's held-out error, and the simulator against a live vLLM CPU engine",
+                 ["--live", "--live-requests", "--live-load", "--out", "--json", "--no-progress"]),
+    "calibrate-control-plane": ("measure the control plane's stations (router, batcher, Valkey, etcd) for "
+                                "--control-plane",
+                                ["--requests", "--out", "--json", "--no-progress", *CONTROL_PLANE_FLAGS]),
+}
+"""Each subcommand: its help, and the flags it reads (its own parser takes those alone; the others keep their
+defaults, so the code behind every subcommand reads one namespace)."""
+
+
+EXPERIMENT_NAMES = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing", "vidur")
+"""workers.sim.experiments.EXPERIMENTS, named here so that building the parser imports no experiment code."""
+
+
 def add_parser(sub: Any) -> None:
-    s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies")
-    s.add_argument("action", choices=["run", "compare", "matrix", "experiment", "trace", "validate",
-                                       "calibrate-control-plane"])
-    s.add_argument("name", nargs="?", help="experiment: roundrobin-vs-weighted | window-batching | scale-pareto | "
-                                           "sizing | vidur; trace: multiturn | servegen")
-    s.add_argument("--control-plane", nargs="?", const="", default=None, metavar="FILE",
-                   help="model routers, batchers, Valkey shards, etcd and node links as stations with the measured "
-                        "costs of FILE (default data/calibration/control-plane.json); off without this flag")
-    s.add_argument("--routers", type=int, default=1, help="with --control-plane: router processes")
-    s.add_argument("--batchers-per-rack", type=int, default=1, help="with --control-plane: batcher processes per rack")
-    s.add_argument("--valkey-shards", type=int, default=1,
-                   help="with --control-plane: shards the per-rack/node/request streams spread over")
-    s.add_argument("--trace", default=None, help=f"trace file (default for azure: {AZURE_CONV.relative_to(REPO)})")
-    s.add_argument("--format", default="azure", choices=["azure", "mooncake", "synthetic"])
-    s.add_argument("--cluster", default=None, help="YAML with a `cluster:` (and optionally other sections) "
-                                                   "merged over configs/")
-    s.add_argument("--policy", default=None, help="node policy (default: node_selection.policy)")
-    s.add_argument("--policies", default=None,
-                   help=f"compare: comma-separated node policies (default {COMPARE_POLICIES}); matrix: default all")
-    s.add_argument("--traces", default=None, help="matrix: PATH:FORMAT,... (FORMAT azure|mooncake; default the Azure "
-                                                  "conv and code traces and the Mooncake trace)")
-    s.add_argument("--loads", default=None, help="matrix: fractions of capacity (default 0.5,0.8,1.0,1.5)")
-    s.add_argument("--states", default=None, help="matrix: healthy,slow,death (default all three)")
-    s.add_argument("--repeats", type=int, default=1, help="matrix: runs per cell with other user draws and seeds, "
-                                                          "latencies pooled")
-    s.add_argument("--jobs", type=int, default=None, help="matrix: worker processes (default: the CPU count)")
-    s.add_argument("--model", default=None, help="model of the trace's requests (default: the first served)")
-    s.add_argument("--rate-scale", type=float, default=None, help="multiply the request rate (default 1; "
-                                                                  "experiments pick their own)")
-    s.add_argument("--sizes", default=None, help="scale-pareto: GPU counts, e.g. 64,128,256,512,1024")
-    s.add_argument("--requests", type=int, default=None, help="use the first N requests")
-    s.add_argument("--flood-requests", type=int, default=None,
-                   help="scale-pareto: requests of the capacity floods (default 80,000)")
-    s.add_argument("--capacity-sizes", default=None,
-                   help="scale-pareto: GPU counts whose capacity is measured (default 512,1024 where in --sizes)")
-    s.add_argument("--flood-scale", type=float, default=None,
-                   help="scale-pareto: the floods arrive this many times faster than the seed's load (default 40)")
-    s.add_argument("--sat-racks", type=int, default=None, help="sizing: racks of the router-saturation cluster (16)")
-    s.add_argument("--sat-seconds", type=float, default=None, help="sizing: seconds of arrivals per saturation run")
-    s.add_argument("--superpose", type=int, default=1, help="K independent copies of the trace over the same hour "
-                                                            "(K x the load; 11 x Azure conv = the seed's 5 M/day)")
-    s.add_argument("--users", type=int, default=2000, help="users drawn (Zipf) for requests without one")
-    s.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of user popularity")
-    s.add_argument("--shared-prefix-blocks", type=int, default=0,
-                   help="requests of one user share this many 512-token prefix blocks (system prompt)")
-    s.add_argument("--batching", choices=["window", "fixed"], default="window")
-    s.add_argument("--fixed-batch", type=int, default=32)
-    s.add_argument("--window-ms", type=int, default=None)
-    s.add_argument("--no-prefix-cache", action="store_true")
-    s.add_argument("--faults", default=None, help="NODE@SECONDS:KIND[:DURATION_S[:FACTOR]],... "
-                                                  "KIND death|xid|slow")
-    s.add_argument("--seed", type=int, default=20231116)
-    s.add_argument("--data", default=None, help="trace servegen: a model's directory of ServeGen client data")
-    s.add_argument("--hour", type=int, default=None, help="trace servegen: the hour of ServeGen's day to draw "
-                                                          "(default: the busiest)")
-    s.add_argument("--keep", type=float, default=0.1, help="trace servegen: share of the hour's requests kept "
-                                                           "(default 0.1)")
-    s.add_argument("--live", choices=["auto", "on", "off"], default="auto",
-                   help="validate: also run a trace through the live pipeline on vLLM's CPU engine and through the "
-                        "simulator fitted to it (auto: when .venv-vllm exists; on: fail without it)")
-    s.add_argument("--live-requests", type=int, default=300, help="validate: requests of the live-vs-sim run")
-    s.add_argument("--live-load", type=float, default=0.35, help="validate: the live run's load, a fraction of the "
-                                                                "node's simulated capacity")
-    s.add_argument("--out", default=None, help="directory for JSON and PNG output")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--oracle", action="store_true",
-                   help="hand the control plane what no live one has (each request's true output length, each "
-                        "node's exact speed): the behaviour before the oracle-free simulator, for comparison; every "
-                        "JSON says which ran (`oracle`)")
-    s.add_argument("--no-progress", action="store_true")
-    s.add_argument("--digest", action="store_true",
-                   help="run: add `digest`, a sha256 of every request's timings and placement (equal digests: the "
-                        "same decisions)")
-    s.set_defaults(fn=cmd_sim)
+    s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies",
+                       description="The cluster simulated with the live control plane's own policy code, shown only "
+                       "what a live one would see. Each subcommand has its own flags: rackflow sim SUBCOMMAND -h.")
+    ss = s.add_subparsers(dest="action", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    flags = _flags()
+    full = argparse.ArgumentParser(add_help=False)
+    for flag, kw in flags.items():
+        full.add_argument(flag, **kw)
+    defaults = vars(full.parse_args([]))
+    for name, (help_, own) in SUBCOMMANDS.items():
+        c = ss.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        if name == "experiment":
+            c.add_argument("name", choices=EXPERIMENT_NAMES, help="the experiment")
+        elif name == "trace":
+            c.add_argument("name", choices=["multiturn", "servegen"], help="the trace to write")
+        taken = set()
+        for flag in own:
+            c.add_argument(flag, **flags[flag])
+            taken.add(flag.lstrip("-").replace("-", "_"))
+        c.set_defaults(fn=cmd_sim, **{k: v for k, v in defaults.items() if k not in taken},
+                       **({} if name in ("experiment", "trace") else {"name": None}))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
