@@ -131,3 +131,12 @@ def test_each_sim_and_fault_subcommand_has_its_own_flags(tmp_path: Path) -> None
     assert "--loads" in matrix_help and "--digest" not in matrix_help
     bad = rf("sim", "validate", "--superpose", "3", cwd=tmp_path)
     assert bad.returncode == 2 and "usage: rackflow sim validate" in bad.stderr, bad.stderr
+
+
+def test_each_bench_has_its_own_flags(tmp_path: Path) -> None:
+    soak = rf("bench", "soak", "--help", cwd=tmp_path).stdout
+    assert "--minutes" in soak and "--clients" not in soak and "--entries" not in soak
+    gateway = rf("bench", "gateway", "--help", cwd=tmp_path).stdout
+    assert "--peer" in gateway and "--minutes" not in gateway
+    bad = rf("bench", "route", "--minutes", "3", cwd=tmp_path)
+    assert bad.returncode == 2 and "usage: rackflow bench route" in bad.stderr, bad.stderr

@@ -53,32 +53,109 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, endpoints_or_none(args))
 
 
+def _flags() -> dict[str, dict[str, Any]]:
+    """Every flag of `rackflow bench`, by name, with its add_argument keywords; each bench adds those it reads."""
+    return {
+    "--model-dir": dict(
+        default=None,
+        help="engines: the checkpoint both engines load (default: the tiny "
+                 f"test checkpoint in {DEFAULT_VLLM_CHECKPOINT}, made if missing)"),
+    "--bench-tokens": dict(
+        type=int,
+        default=64,
+        help="engines: tokens per sequence"),
+    "--repeats": dict(
+        type=int,
+        default=3,
+        help="engines: throughput repeats (medians)"),
+    "--requests": dict(
+        type=int,
+        default=20_000,
+        help="pipeline: requests in the flood"),
+    "--requests-batching": dict(
+        type=int,
+        default=1500,
+        help="batching: trace requests per variant"),
+    "--no-progress": dict(
+        action="store_true"),
+    "--json": dict(
+        action="store_true"),
+    "--entries": dict(
+        type=int,
+        default=20000,
+        help="streams: entries per repeat"),
+    "--tokenizer": dict(
+        default=None,
+        help="profile: count with this tokenizer.json (exact path)"),
+    "--clients": dict(
+        type=int,
+        default=32,
+        help="gateway: concurrent HTTP clients"),
+    "--duration-s": dict(
+        type=float,
+        default=12.0,
+        help="gateway: seconds per measured run (3 runs)"),
+    "--peer": dict(
+        choices=["smg"],
+        default=None,
+        help="gateway: also run this peer gateway (SMG, a Rust gateway, installed on first use into "
+                 ".venv-peers) and the bare HTTP endpoint, in the same run with the same load generator"),
+    "--http-parser": dict(
+        choices=["httptools", "h11"],
+        default=None,
+        help="gateway: uvicorn's HTTP parser for the gateway (default: gateway.http_parser, httptools)"),
+    "--window-hold": dict(
+        action="store_true",
+        help="gateway: run the batcher with close_when_room off (the window holds requests a node could "
+                 "start now until it closes), to measure what closing on room buys"),
+    "--streams": dict(
+        type=int,
+        default=10_000,
+        help="streams-capacity: concurrent streaming requests"),
+    "--stream-tokens": dict(
+        type=int,
+        default=32,
+        help="streams-capacity: max_tokens of each stream"),
+    "--minutes": dict(
+        type=float,
+        default=20.0,
+        help="soak: minutes of load at 80%% of capacity, a random "
+                 "role killed every 30 s, Valkey restarted once"),
+    }
+
+
+OUT = ["--json", "--no-progress"]
+BENCHES: dict[str, tuple[str, list[str]]] = {
+    "streams": ("the stream layer: msgpack encode/decode, pipelined XADD, the consumer-group runner end to end",
+                ["--entries", *OUT]),
+    "profile": ("the gateway's request profiling (tokens, memory, prefix hashes)", ["--tokenizer", *OUT]),
+    "route": ("routing decisions per second, per policy", OUT),
+    "pipeline": ("the Streams pipeline against a Celery-only baseline", ["--requests", *OUT]),
+    "batching": ("window batching against fixed batches on a trace", ["--requests-batching", *OUT]),
+    "kv": ("KV snapshots exported to and imported from the L1/L2 tiers", OUT),
+    "failover": ("one worker of 8 killed mid-run: what the clients saw", OUT),
+    "gateway": ("requests/s, CPU per request and added TTFT of the HTTP path, beside a peer gateway",
+                ["--clients", "--duration-s", "--repeats", "--peer", "--http-parser", "--window-hold", *OUT]),
+    "streams-capacity": ("concurrent streaming requests one gateway holds", ["--streams", "--stream-tokens", *OUT]),
+    "soak": ("load through rackflow up with roles killed and servers restarted", ["--minutes", *OUT]),
+    "engines": ("the torch and vLLM engines' throughput on one checkpoint",
+                ["--model-dir", "--bench-tokens", "--repeats", *OUT]),
+}
+
+
 def add_parser(sub: Any) -> None:
-    s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)")
-    s.add_argument("what", choices=["streams", "profile", "route", "pipeline", "batching", "kv", "failover", "gateway",
-                                    "streams-capacity", "soak", "engines"])
-    s.add_argument("--model-dir", default=None, help="engines: the checkpoint both engines load (default: the tiny "
-                   f"test checkpoint in {DEFAULT_VLLM_CHECKPOINT}, made if missing)")
-    s.add_argument("--bench-tokens", type=int, default=64, help="engines: tokens per sequence")
-    s.add_argument("--repeats", type=int, default=3, help="engines: throughput repeats (medians)")
-    s.add_argument("--requests", type=int, default=20_000, help="pipeline: requests in the flood")
-    s.add_argument("--requests-batching", type=int, default=1500, help="batching: trace requests per variant")
-    s.add_argument("--no-progress", action="store_true")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--entries", type=int, default=20000, help="streams: entries per repeat")
-    s.add_argument("--tokenizer", default=None, help="profile: count with this tokenizer.json (exact path)")
-    s.add_argument("--clients", type=int, default=32, help="gateway: concurrent HTTP clients")
-    s.add_argument("--duration-s", type=float, default=12.0, help="gateway: seconds per measured run (3 runs)")
-    s.add_argument("--peer", choices=["smg"], default=None,
-                   help="gateway: also run this peer gateway (SMG, a Rust gateway, installed on first use into "
-                        ".venv-peers) and the bare HTTP endpoint, in the same run with the same load generator")
-    s.add_argument("--http-parser", choices=["httptools", "h11"], default=None,
-                   help="gateway: uvicorn's HTTP parser for the gateway (default: gateway.http_parser, httptools)")
-    s.add_argument("--window-hold", action="store_true",
-                   help="gateway: run the batcher with close_when_room off (the window holds requests a node could "
-                        "start now until it closes), to measure what closing on room buys")
-    s.add_argument("--streams", type=int, default=10_000, help="streams-capacity: concurrent streaming requests")
-    s.add_argument("--stream-tokens", type=int, default=32, help="streams-capacity: max_tokens of each stream")
-    s.add_argument("--minutes", type=float, default=20.0, help="soak: minutes of load at 80%% of capacity, a random "
-                   "role killed every 30 s, Valkey restarted once")
-    s.set_defaults(fn=cmd_bench)
+    s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)",
+                       description="Benchmarks, medians and ratios measured side by side in one run. Each has its "
+                       "own flags: rackflow bench NAME -h.")
+    bs = s.add_subparsers(dest="what", required=True, metavar="{" + ",".join(BENCHES) + "}")
+    flags = _flags()
+    full = argparse.ArgumentParser(add_help=False)
+    for flag, kw in flags.items():
+        full.add_argument(flag, **kw)
+    defaults = vars(full.parse_args([]))
+    for name, (help_, own) in BENCHES.items():
+        c = bs.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        for flag in own:
+            c.add_argument(flag, **flags[flag])
+        taken = {f.lstrip("-").replace("-", "_") for f in own}
+        c.set_defaults(fn=cmd_bench, **{k: v for k, v in defaults.items() if k not in taken})
