@@ -50,12 +50,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
                args.json)
         return 0
 
+    if args.what == "fuzz":
+        from workers.bench.fuzz import bench_fuzz
+        from workers.bench.micro import _print
+
+        res = bench_fuzz(requests=args.fuzz_requests, streamed=args.streamed, concurrency=args.concurrency,
+                         seed=args.seed, progress=not args.no_progress)
+        _print(res, args.json)
+        return 0 if res["status_5xx"] == 0 and res["roles_crashed"] == 0 and res["leaked_keys"] == 0 else 1
+
     return run_bench(args, endpoints_or_none(args))
 
 
 def _flags() -> dict[str, dict[str, Any]]:
     """Every flag of `rackflow bench`, by name, with its add_argument keywords; each bench adds those it reads."""
     return {
+    "--fuzz-requests": dict(type=int, default=10_000, help="requests sent, valid and hostile (default 10,000)"),
+    "--streamed": dict(type=int, default=1_000, help="of which streaming, at least (default 1,000)"),
+    "--concurrency": dict(type=int, default=32, help="requests in flight at once (default 32)"),
+    "--seed": dict(type=int, default=0, help="the generator's seed: the same seed sends the same requests"),
     "--model-dir": dict(
         default=None,
         help="engines: the checkpoint both engines load (default: the tiny "
@@ -138,6 +151,8 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
                 ["--clients", "--duration-s", "--repeats", "--peer", "--http-parser", "--window-hold", *OUT]),
     "streams-capacity": ("concurrent streaming requests one gateway holds", ["--streams", "--stream-tokens", *OUT]),
     "soak": ("load through rackflow up with roles killed and servers restarted", ["--minutes", *OUT]),
+    "fuzz": ("rackflow up under malformed and hostile HTTP: 5xx, crashed roles and leaked keys counted",
+             ["--fuzz-requests", "--streamed", "--concurrency", "--seed", *OUT]),
     "engines": ("the torch and vLLM engines' throughput on one checkpoint",
                 ["--model-dir", "--bench-tokens", "--repeats", *OUT]),
 }
