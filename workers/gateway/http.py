@@ -395,16 +395,17 @@ class _Api(Edge):
         results: list[ResultEvent | None] = [None] * n
         self.metrics.in_flight.inc()
         try:
-            async for i, ev in self._merged(adm):
-                if isinstance(ev, TokenEvent):
-                    self._on_tokens(adm, ev, not any(texts))
-                    texts[i].append(ev.text)
-                    continue
-                results[i] = ev
-                self._finished(adm, ev.status)
-                if ev.status != "ok":
-                    log.info("request %s failed: %s", ev.request_id, ev.error)
-                    raise _from_result(ev)
+            async with aclosing(self._merged(adm)) as merged:
+                async for i, ev in merged:
+                    if isinstance(ev, TokenEvent):
+                        self._on_tokens(adm, ev, not any(texts))
+                        texts[i].append(ev.text)
+                        continue
+                    results[i] = ev
+                    self._finished(adm, ev.status)
+                    if ev.status != "ok":
+                        log.info("request %s failed: %s", ev.request_id, ev.error)
+                        raise _from_result(ev)
         except TimeoutError:
             log.warning("request %s: no final result within %.0fs", req.request_id,
                         self.config.gateway.request_timeout_s)
@@ -457,30 +458,31 @@ class _Api(Edge):
             # the first chunk of a choice leaves with its first token, never before (vLLM's server does the same):
             # a client times its TTFT at the first chunk, so an early empty one would show a token that is not there
             try:
-                async for i, ev in self._merged(adm):
-                    if isinstance(ev, TokenEvent):
-                        self._on_tokens(adm, ev, all(first))
-                        if first[i] and kind == "chat":
-                            yield _sse(chunk(i, {"role": "assistant", "content": ev.text}))
-                        elif ev.text or first[i]:
-                            yield _sse(piece(i, ev.text))
+                async with aclosing(self._merged(adm)) as merged:
+                    async for i, ev in merged:
+                        if isinstance(ev, TokenEvent):
+                            self._on_tokens(adm, ev, all(first))
+                            if first[i] and kind == "chat":
+                                yield _sse(chunk(i, {"role": "assistant", "content": ev.text}))
+                            elif ev.text or first[i]:
+                                yield _sse(piece(i, ev.text))
+                            first[i] = False
+                            continue
+                        self._finished(adm, ev.status)
+                        if ev.status != "ok":
+                            log.info("request %s failed: %s", ev.request_id, ev.error)
+                            error = _from_result(ev)
+                            break
+                        if first[i] and kind == "chat":  # no token at all: the role still comes before the end
+                            yield _sse(chunk(i, {"role": "assistant", "content": ""}))
                         first[i] = False
-                        continue
-                    self._finished(adm, ev.status)
-                    if ev.status != "ok":
-                        log.info("request %s failed: %s", ev.request_id, ev.error)
-                        error = _from_result(ev)
-                        break
-                    if first[i] and kind == "chat":  # no token at all: the role still comes before the end
-                        yield _sse(chunk(i, {"role": "assistant", "content": ""}))
-                    first[i] = False
-                    yield _sse(piece(i, "", self.finish_reason(adm.choices[i], ev)))
-                    out_tokens += ev.out_tokens
-                    in_tokens = ev.in_tokens
-                else:
-                    if adm.include_usage:
-                        u = usage(in_tokens, out_tokens)
-                        yield _sse(chunk(0, {} if kind == "chat" else "", usage_=u, with_choice=False))
+                        yield _sse(piece(i, "", self.finish_reason(adm.choices[i], ev)))
+                        out_tokens += ev.out_tokens
+                        in_tokens = ev.in_tokens
+                    else:
+                        if adm.include_usage:
+                            u = usage(in_tokens, out_tokens)
+                            yield _sse(chunk(0, {} if kind == "chat" else "", usage_=u, with_choice=False))
             except TimeoutError:
                 log.warning("request %s: no final result within %.0fs (stream)", rid,
                             self.config.gateway.request_timeout_s)
