@@ -530,6 +530,9 @@ class WorkerPolicy(_Strict):
 class StreamsPolicy(_Strict):
     retention_s: int = Field(default=86_400, ge=60, le=90 * 86_400)
     """Streams are trimmed by age (XADD MINID) to this retention."""
+    output_ttl_s: int = Field(default=3600, ge=10, le=90 * 86_400)
+    """A request's own output stream (`rf:out:{id}`: its token chunks and result, read by a client that reconnects
+    or asks `GET /v1/results/{id}`) expires this long after its last write."""
     claim_idle_ms: int = Field(default=10_000, ge=100, le=3_600_000)
     """A pending entry idle this long (its consumer died) is claimed by another consumer."""
     max_deliveries: int = Field(default=5, ge=1, le=1000)

@@ -109,6 +109,9 @@ class TokenEvent:
     node: str
     reply_to: str = ""
     """The request's `reply_to` (its gateway's reply stream), copied so that the writer needs no lookup."""
+    logprobs: str = ""
+    """When the client asked for log probabilities: compact JSON, one `[logprob, token text, [[alternative text,
+    logprob], ...]]` per token of `token_ids` (`pipeline.sampling.decode_logprobs`); "" otherwise."""
 
     @property
     def text(self) -> str:

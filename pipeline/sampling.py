@@ -20,7 +20,10 @@ from typing import Any
 
 from pipeline.errors import RackflowError
 
-__all__ = ["ENGINE_PARAMS", "PARAM_NOTES", "Sampling", "SamplingRefused", "check_engine", "decode", "encode"]
+__all__ = [
+    "ENGINE_PARAMS", "PARAM_NOTES", "LogprobEntry", "Sampling", "SamplingRefused", "check_engine", "decode",
+    "decode_logprobs", "encode", "encode_logprobs",
+]
 
 
 class SamplingRefused(RackflowError, ValueError):
@@ -100,14 +103,15 @@ ENGINE_PARAMS: dict[str, frozenset[str]] = {
     "sim": frozenset({"stop", "seed", "temperature"}),
     # a real transformer: its sampler draws from the logits (temperature, nucleus, penalties), seeded per position
     "torch": frozenset({"stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty"}),
-    # vLLM's own SamplingParams and structured outputs
-    "vllm": frozenset({"stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+    # vLLM's own SamplingParams (log probabilities of the raw logits, as vLLM's server reports them) and structured
+    # outputs
+    "vllm": frozenset({"stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logprobs",
                        "response_format"}),
 }
 """The sampler parameters each engine honours (`n` is the gateway's on every engine)."""
 
 PARAM_NOTES: dict[str, str] = {
-    "logprobs": "log probabilities are not carried from the engines to the client yet",
+    "logprobs": "log probabilities come from vLLM's sampler; this engine does not report them",
     "response_format": "guided decoding (JSON mode, JSON schema) needs vLLM's structured-output backend",
     "tools": "tool calls need a chat template with tools and a tool-call parser; not served on this engine yet",
     "top_p": "the sim engine's placeholder tokens have no distribution to cut",
@@ -160,3 +164,18 @@ class StopMatcher:
     def flush(self) -> str:
         out, self._held = self._held, ""
         return out
+
+
+LogprobEntry = tuple[float, str, tuple[tuple[str, float], ...]]
+"""One token's log probability, its text, and the alternatives' (text, log probability), best first."""
+
+
+def encode_logprobs(entries: list[LogprobEntry]) -> str:
+    """The wire form of a token chunk's log probabilities (`TokenEvent.logprobs`)."""
+    return json.dumps([[lp, tok, [list(a) for a in alts]] for lp, tok, alts in entries], separators=(",", ":"))
+
+
+def decode_logprobs(text: str) -> list[LogprobEntry]:
+    if not text:
+        return []
+    return [(float(lp), str(tok), tuple((str(a), float(b)) for a, b in alts)) for lp, tok, alts in json.loads(text)]

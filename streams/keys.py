@@ -66,9 +66,10 @@ def request_out(request_id: str) -> str:
     return f"rf:out:{{{request_id}}}"
 
 
-GATEWAY_REPLIES_MAXLEN = 100_000
-"""Approximate bound of a gateway's reply stream: its reader keeps up in milliseconds, so only a stopped gateway's
-stream reaches it (and then expires: the gateway refreshes its TTL while it runs)."""
+GATEWAY_REPLIES_KEEP_MS = 60_000
+"""A gateway's reply stream keeps this much of its newest entries (XADD MINID, approximate): its reader keeps up in
+milliseconds, and a request it missed is read from the request's own stream. A stopped gateway's stream expires
+(the gateway refreshes its TTL while it runs)."""
 _GATEWAY_REPLIES = re.compile(r"rf:gw:\{[A-Za-z0-9_.-]{1,64}\}:out")
 
 

@@ -91,3 +91,20 @@ def test_the_matcher_agrees_with_a_search_of_the_whole_text() -> None:
                 expect = (seen[:first], True)
                 break
         assert _run(stops, pieces) == expect, (text, stops, pieces)
+
+
+def test_logprobs_wire_form_round_trips_and_formats_as_openai() -> None:
+    from pipeline.sampling import decode_logprobs, encode_logprobs
+    from workers.gateway.openai_api import chat_logprobs, completion_logprobs
+
+    entries = [(-0.25, "Hel", (("Hel", -0.25), ("He", -1.5))), (-9999.0, "lo", ())]
+    assert decode_logprobs(encode_logprobs(entries)) == entries
+    assert decode_logprobs("") == []
+    chat = chat_logprobs(entries)["content"]
+    assert chat[0] == {"token": "Hel", "logprob": -0.25, "bytes": [72, 101, 108],
+                       "top_logprobs": [{"token": "Hel", "logprob": -0.25, "bytes": [72, 101, 108]},
+                                        {"token": "He", "logprob": -1.5, "bytes": [72, 101]}]}
+    assert chat[1]["top_logprobs"] == []
+    legacy = completion_logprobs(entries, offset=4)
+    assert legacy == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.25, -9999.0],
+                      "top_logprobs": [{"Hel": -0.25, "He": -1.5}, {}], "text_offset": [4, 7]}

@@ -1,6 +1,6 @@
 """OpenAI semantics on the vLLM engine (docs/OPENAI.md), through the official `openai` client against a real
 cluster (gateway, router, batcher and one vLLM CPU worker as processes on real Valkey and etcd): the sampler's
-parameters reach vLLM's SamplingParams (stop, seed and temperature, structured outputs), `n` runs n sequences, what
+parameters reach vLLM's SamplingParams (stop, seed and temperature, log probabilities, structured outputs), `n` runs n sequences, what
 is not carried yet is a 400 naming it, and vLLM's own benchmark client times the real first token."""
 
 from __future__ import annotations
@@ -98,9 +98,36 @@ def test_n_runs_n_sequences_on_vllm(gw: tuple[str, str]) -> None:
     assert r.usage.completion_tokens == 16
 
 
+def test_logprobs_come_from_vllms_sampler(gw: tuple[str, str]) -> None:
+    # chat: per token its log probability and the top_logprobs alternatives, best first; greedy picks the best one
+    r = _chat(gw, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    if not any("\ufffd" in t.token for t in content):  # a byte token's own text is a replacement character
+        assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0.0 and len(t.top_logprobs) == 3 and t.bytes == list(t.token.encode())
+        alts = [a.logprob for a in t.top_logprobs]
+        assert alts == sorted(alts, reverse=True)
+        assert t.logprob == pytest.approx(alts[0], abs=1e-4), "greedy: the chosen token is the most likely"
+    # streamed, the same numbers arrive chunk by chunk
+    chunks = list(_client(gw).chat.completions.create(
+        model=gw[1], messages=[{"role": "user", "content": "Describe the rack in a sentence."}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    # legacy completions: parallel lists and each token's offset in the text
+    c = _client(gw).completions.create(model=gw[1], prompt="The rack", max_tokens=5, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(d) <= 2 for d in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(5)]
+    if not any("\ufffd" in t for t in lp.tokens):
+        assert "".join(lp.tokens) == c.choices[0].text
+
+
 def test_what_is_not_carried_yet_is_a_400_naming_it(gw: tuple[str, str]) -> None:
-    for kw, param in (({"logprobs": True}, "logprobs"),
-                      ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools")):
+    for kw, param in (({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),):
         with pytest.raises(openai.BadRequestError) as e:
             _chat(gw, max_tokens=4, **kw)
         assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter"

@@ -85,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from redis.exceptions import RedisError
 from tqdm import tqdm
 
 from pipeline.config import RackflowConfig
@@ -161,14 +162,20 @@ def _kill_group(p: RoleProcess) -> None:
 
 class _Soak:
     def __init__(self, config: RackflowConfig, procs: ClusterProcesses, url: str, gateway_port: int,
-                 valkey: Any, rng: random.Random) -> None:
+                 valkey: Any, etcd: Any, rng: random.Random) -> None:
         self.config = config
         self.procs = procs
         self.url = url
         self.gateway_port = gateway_port
         self.valkey = valkey
+        self.etcd = etcd
         self.rng = rng
         self.state = _State()
+        self.follower: _Follower | None = None
+        self.readback: dict[str, str | None] = {}
+        """{request_id: None (read back whole and ok) or what was wrong} for requests whose client saw a transport
+        error or a cut stream, read by id (`GET /v1/results/{id}`) once their result is in: before their output
+        stream expires (`output_ttl_s`)."""
         self._round: list[str] = []
         self._gateway_down = 0
         """Gateway kills whose replacement does not answer yet."""
@@ -257,6 +264,52 @@ class _Soak:
         else:  # pragma: no cover - ROLES is closed
             raise ValueError(victim.role)
 
+    async def verify(self, done: asyncio.Event) -> None:
+        """Read back by id, as the client would once its gateway answers again, every accepted request whose
+        client was cut off (transport error or a stream without [DONE]) and whose final result is in."""
+        st, fol = self.state, self.follower
+        assert fol is not None
+        async with httpx.AsyncClient(timeout=30) as c:
+            while True:
+                last_pass = done.is_set()
+                cut = [s.k for s in st.sent if s.outcome.status == 0 or
+                       (200 <= s.outcome.status < 300 and s.outcome.error == "stream ended without [DONE]")]
+                for k in cut:
+                    rid = fol.accepted.get(k)
+                    if rid is None or rid in self.readback or rid not in fol.first or self._gateway_down:
+                        continue
+                    try:
+                        resp = await c.get(f"{self.url}/v1/results/{rid}")
+                    except httpx.HTTPError:
+                        continue  # the gateway is not back yet: the next pass
+                    if resp.status_code != 200:
+                        self.readback[rid] = f"GET /v1/results: {resp.status_code}"
+                        continue
+                    body = resp.json()
+                    ok = body.get("status") == "ok" and body["usage"]["completion_tokens"] == MAX_TOKENS
+                    self.readback[rid] = None if ok else (
+                        f"GET /v1/results: status {body.get('status')}, {body['usage']['completion_tokens']} tokens")
+                if last_pass:
+                    return
+                try:
+                    await asyncio.wait_for(done.wait(), 1.0)
+                except TimeoutError:
+                    pass
+
+    async def restart_etcd(self, down_s: float) -> None:
+        """SIGKILL of etcd, and a start on the same ports and data dir `down_s` later (its WAL holds the registry,
+        the leases and the sequence records)."""
+        ev = Chaos("etcd", "etcd", time.monotonic())
+        self.state.events.append(ev)
+        try:
+            await asyncio.to_thread(self.etcd.kill)
+            await asyncio.sleep(down_s)
+            self.etcd._client_given = self.etcd._peer_given = True  # the same ports: the roles' URL is unchanged
+            await asyncio.to_thread(self.etcd.start)
+        except Exception as e:
+            ev.error = f"{type(e).__name__}: {e}"
+        ev.ready = time.monotonic()
+
     async def restart_valkey(self, down_s: float) -> None:
         # while the gateway is down, no client would see the outage: wait for it (up to a minute)
         deadline = time.monotonic() + 60
@@ -273,19 +326,22 @@ class _Soak:
         ev.ready = time.monotonic()
 
     async def chaos(self, t0: float, schedule: list[tuple[float, str]], restart_delay_s: float,
-                    valkey_down_s: float) -> None:
+                    valkey_down_s: float, etcd_down_s: float) -> None:
         """Each event on its own schedule: a slow restart (a gateway answering late) does not delay the next."""
         tasks = []
         for at, what in schedule:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             tasks.append(asyncio.create_task(
-                self.restart_valkey(valkey_down_s) if what == "valkey" else self.kill_one(restart_delay_s)))
+                self.restart_valkey(valkey_down_s) if what == "valkey" else
+                self.restart_etcd(etcd_down_s) if what == "etcd" else self.kill_one(restart_delay_s)))
         await asyncio.gather(*tasks)
 
 
-def _schedule(duration_s: float, kill_every_s: float, with_valkey: bool) -> list[tuple[float, str]]:
+def _schedule(duration_s: float, kill_every_s: float, with_valkey: bool,
+              with_etcd: bool = False) -> list[tuple[float, str]]:
     """Kills at kill_every_s, 2 x kill_every_s, ... up to half a period before the end; the Valkey restart halfway
-    between the middle kill and the next one."""
+    between the middle kill and the next one; the etcd restart halfway between the kill a quarter into the run and
+    the next one (after the last kill in a run of three kills or fewer)."""
     kills = []
     t = kill_every_s
     while t <= duration_s - kill_every_s / 2:
@@ -295,79 +351,13 @@ def _schedule(duration_s: float, kill_every_s: float, with_valkey: bool) -> list
     if with_valkey and kills:
         mid = kills[(len(kills) - 1) // 2] if len(kills) > 1 else 0.0
         out.append((mid + kill_every_s / 2, "valkey"))
+    if with_etcd and kills:
+        at = kills[-1] if len(kills) <= 3 else kills[len(kills) // 4]
+        out.append((at + kill_every_s / 2, "etcd"))
     return sorted(out)
 
 
-# -- after the run: what the streams hold ----------------------------------------------------------------------
-async def _read_stream(r: Any, stream: str, since_ms: int) -> list[Any]:
-    out: list[Any] = []
-    start = f"{since_ms}-0"
-    while True:
-        entries = await r.xrange(stream, min=start, count=5000)
-        for _eid, fields in entries:
-            try:
-                out.append(codec.decode(fields))
-            except Exception:  # not an event of ours (another writer of the stream)
-                continue
-        if len(entries) < 5000:
-            return out
-        last = entries[-1][0]
-        start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
-
-
-async def _accepted(redis_url: str, since_ms: int, base: int, n: int) -> tuple[dict[int, str], int]:
-    """{k: request_id} of this run's requests in rf:ingress, and how many k were admitted more than once."""
-    r = connect(redis_url)
-    try:
-        events = await _read_stream(r, keys.INGRESS, since_ms)
-    finally:
-        await r.aclose()
-    found: dict[int, str] = {}
-    twice = 0
-    for ev in events:
-        if not isinstance(ev, RequestEvent):
-            continue
-        m = PROMPT.match(ev.prompt)
-        if m is None or not base <= int(m.group(1)) < base + n:
-            continue
-        k = int(m.group(1)) - base
-        if k in found and found[k] != ev.request_id:
-            twice += 1
-        found.setdefault(k, ev.request_id)
-    return found, twice
-
-
-async def _results(redis_url: str, since_ms: int, want: set[str]) -> tuple[dict[str, ResultEvent], Counter[str]]:
-    r = connect(redis_url)
-    try:
-        events = await _read_stream(r, keys.RESULTS, since_ms)
-    finally:
-        await r.aclose()
-    first: dict[str, ResultEvent] = {}
-    counts: Counter[str] = Counter()
-    for ev in events:
-        if isinstance(ev, ResultEvent) and ev.request_id in want:
-            counts[ev.request_id] += 1
-            first.setdefault(ev.request_id, ev)
-    return first, counts
-
-
-async def _wait_results(redis_url: str, since_ms: int, want: set[str], timeout_s: float,
-                        progress: bool) -> tuple[dict[str, ResultEvent], Counter[str]]:
-    deadline = time.monotonic() + timeout_s
-    bar = tqdm(total=len(want), desc="soak: final results", unit="req", disable=not progress, file=sys.stderr)
-    try:
-        while True:
-            got, counts = await _results(redis_url, since_ms, want)
-            bar.n = len(got)
-            bar.refresh()
-            if len(got) == len(want) or time.monotonic() > deadline:
-                return got, counts
-            await asyncio.sleep(1.0)
-    finally:
-        bar.close()
-
-
+# -- what the streams hold ---------------------------------------------------------------------------------------
 def _stream_problem(evs: list[Any], res: ResultEvent) -> str | None:
     """What an HTTP client would have been streamed, checked as workers/bench/failover.py does: the gateway's
     reader (tokens deduplicated by index, up to the first result) gives every index 0..n-1 once, with the result's
@@ -403,12 +393,56 @@ def _stream_problem(evs: list[Any], res: ResultEvent) -> str | None:
     return None
 
 
-async def _check_streams(redis_url: str, results: dict[str, ResultEvent]) -> dict[str, str]:
-    """{request_id: problem} over the per-request output streams, read in pipelines of 200."""
-    r = connect(redis_url)
-    bad: dict[str, str] = {}
-    ids = sorted(results)
-    try:
+class _Follower:
+    """Tails `rf:ingress` and `rf:results` while the soak runs (one XREAD of both, blocking 1 s), so that the run's
+    accounting does not depend on the streams' retention: the soak trims them at `retention_s` (60 s), which is what
+    keeps Valkey's memory flat, and an end-of-run read would find only the last minute. Each final result's own
+    output stream (`rf:out:{id}`, which expires `output_ttl_s` after its last write) is checked when the result
+    arrives. A Valkey restart is ridden out (the read resumes from the last entry seen: the append-only file kept
+    it)."""
+
+    def __init__(self, redis_url: str, since_ms: int, base: int, n: int) -> None:
+        self.redis_url = redis_url
+        self.last = {keys.INGRESS: f"{since_ms}-0", keys.RESULTS: f"{since_ms}-0"}
+        self.base, self.n = base, n
+        self.accepted: dict[int, str] = {}
+        self.admitted_twice = 0
+        self.first: dict[str, ResultEvent] = {}
+        self.counts: Counter[str] = Counter()
+        self.problems: dict[str, str] = {}
+        """{request_id: what its output stream lacks}; a result not yet found there is retried for STREAM_WAIT_S."""
+        self._unchecked: dict[str, float] = {}
+        self.max_lag_s = 0.0
+        """The oldest entry read, by its id's time: past the retention, entries could have been trimmed unread."""
+        self.read_errors = 0
+        self.stop = False
+
+    def _take(self, stream: str, entries: list[Any]) -> None:
+        now_ms = time.time() * 1000
+        for eid, fields in entries:
+            eid = eid.decode() if isinstance(eid, bytes) else str(eid)
+            self.last[stream] = eid
+            self.max_lag_s = max(self.max_lag_s, (now_ms - int(eid.split("-", 1)[0])) / 1000)
+            try:
+                ev = codec.decode(fields)
+            except Exception:  # not an event of ours
+                continue
+            if stream == keys.INGRESS and isinstance(ev, RequestEvent):
+                m = PROMPT.match(ev.prompt)
+                if m is None or not self.base <= int(m.group(1)) < self.base + self.n:
+                    continue
+                k = int(m.group(1)) - self.base
+                if k in self.accepted and self.accepted[k] != ev.request_id:
+                    self.admitted_twice += 1
+                self.accepted.setdefault(k, ev.request_id)
+            elif stream == keys.RESULTS and isinstance(ev, ResultEvent):
+                self.counts[ev.request_id] += 1
+                if ev.request_id not in self.first:
+                    self.first[ev.request_id] = ev
+                    self._unchecked[ev.request_id] = time.monotonic()
+
+    async def _check(self, r: Any) -> None:
+        ids = list(self._unchecked)
         for i in range(0, len(ids), 200):
             chunk = ids[i:i + 200]
             pipe = r.pipeline(transaction=False)
@@ -421,31 +455,76 @@ async def _check_streams(redis_url: str, results: dict[str, ResultEvent]) -> dic
                         evs.append(codec.decode(fields))
                     except Exception:
                         continue
-                problem = _stream_problem(evs, results[rid])
+                problem = _stream_problem(evs, self.first[rid])
+                if problem == "no result in its output stream" and \
+                        time.monotonic() - self._unchecked[rid] < STREAM_WAIT_S:
+                    continue  # rf:results may be read before the result reaches rf:out: look again
+                self._unchecked.pop(rid)
                 if problem is not None:
-                    bad[rid] = problem
+                    self.problems[rid] = problem
+
+    async def run(self) -> None:
+        r = connect(self.redis_url)
+        try:
+            while True:
+                stopping = self.stop
+                try:
+                    got: Any = await r.xread(dict(self.last), count=2000, block=1000)  # type: ignore[arg-type]
+                    for stream, entries in got or []:
+                        self._take(stream.decode() if isinstance(stream, bytes) else str(stream), entries)
+                    await self._check(r)
+                except (RedisError, OSError):
+                    self.read_errors += 1
+                    await asyncio.sleep(0.5)
+                    continue
+                if stopping and not got and not self._unchecked:
+                    return
+        finally:
+            await r.aclose()
+
+
+STREAM_WAIT_S = 10.0
+
+
+async def _sample_memory(redis_url: str, t0: float, every_s: float, out: list[tuple[float, float]],
+                         done: asyncio.Event) -> None:
+    """Valkey's `used_memory` (MB) every `every_s` until `done`; a sample that fails (Valkey restarting) is skipped."""
+    r = connect(redis_url)
+    try:
+        while not done.is_set():
+            try:
+                info = await r.info("memory")
+                out.append((time.monotonic() - t0, int(info["used_memory"]) / 1e6))
+            except (RedisError, OSError, KeyError):
+                pass
+            try:
+                await asyncio.wait_for(done.wait(), every_s)
+            except TimeoutError:
+                pass
     finally:
         await r.aclose()
-    return bad
 
 
-async def _read_back(url: str, ids: list[str]) -> dict[str, str]:
-    """{request_id: problem} for results that `GET /v1/results/{id}` does not give back whole and ok."""
-    bad: dict[str, str] = {}
-    async with httpx.AsyncClient(timeout=30) as c:
-        for rid in ids:
-            try:
-                resp = await c.get(f"{url}/v1/results/{rid}")
-            except httpx.HTTPError as e:
-                bad[rid] = f"GET /v1/results: {type(e).__name__}"
-                continue
-            if resp.status_code != 200:
-                bad[rid] = f"GET /v1/results: {resp.status_code}"
-                continue
-            body = resp.json()
-            if body.get("status") != "ok" or body["usage"]["completion_tokens"] != MAX_TOKENS:
-                bad[rid] = f"GET /v1/results: status {body.get('status')}, {body['usage']['completion_tokens']} tokens"
-    return bad
+_ID_PART = re.compile(r"[0-9a-f]{8,}(-[0-9a-f]{4,})*|\d{3,}")
+
+
+async def _census(redis_url: str, sample: int = 20) -> dict[str, dict[str, float]]:
+    """Valkey's keys grouped by pattern (ids and numbers as `*`): how many, and their memory (MB; MEMORY USAGE of
+    up to `sample` keys per group, scaled to the group)."""
+    r = connect(redis_url)
+    groups: dict[str, list[bytes]] = {}
+    try:
+        async for key in r.scan_iter(count=1000):
+            name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            groups.setdefault(_ID_PART.sub("*", name), []).append(key)
+        out: dict[str, dict[str, float]] = {}
+        for pattern, ks in groups.items():
+            picked = ks[:sample]
+            sizes = [await r.memory_usage(k) or 0 for k in picked]
+            out[pattern] = {"keys": len(ks), "mb": round(sum(sizes) / max(1, len(picked)) * len(ks) / 1e6, 3)}
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]["mb"]))
+    finally:
+        await r.aclose()
 
 
 # -- the report --------------------------------------------------------------------------------------------------
@@ -484,7 +563,8 @@ def _p99(st: _State, a: float, b: float) -> tuple[float | None, int]:
     return (round(percentile(lat, 99), 1) if lat else None), len(lat)
 
 
-def _plot(st: _State, t0: float, path: Path, kinds: dict[int, str], title: str) -> str | None:
+def _plot(st: _State, t0: float, path: Path, kinds: dict[int, str], title: str,
+          memory: list[tuple[float, float]] | None = None) -> str | None:
     try:
         import matplotlib
     except ImportError:
@@ -494,7 +574,10 @@ def _plot(st: _State, t0: float, path: Path, kinds: dict[int, str], title: str) 
 
     ok = sorted((s.outcome.start - t0, s.outcome.latency_s * 1000) for s in st.sent if s.outcome.ok)
     end = max((s.outcome.start - t0 for s in st.sent), default=0.0)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(13, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    rows = 3 if memory else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(13, 9 if memory else 7), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 1, 1][:rows]})
+    ax1, ax2 = axes[0], axes[1]
     if ok:
         ax1.scatter([x for x, _ in ok], [y for _, y in ok], s=2, alpha=0.25, color="tab:blue", label="request")
         bins = 5.0
@@ -510,7 +593,7 @@ def _plot(st: _State, t0: float, path: Path, kinds: dict[int, str], title: str) 
     for kill, up in st.gateway_down:
         ax1.axvspan(kill - t0, up - t0, color="tab:orange", alpha=0.15)
     for ev in st.events:
-        color = "tab:red" if ev.role == "valkey" else "tab:gray"
+        color = "tab:red" if ev.role in ("valkey", "etcd") else "tab:gray"
         ax1.axvline(ev.t - t0, color=color, ls="--", lw=1)
         ax1.annotate(ev.name, (ev.t - t0, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
                      va="top", ha="right", color=color)
@@ -528,11 +611,19 @@ def _plot(st: _State, t0: float, path: Path, kinds: dict[int, str], title: str) 
     for kind, counts in sorted(by_bin.items()):
         ax2.bar([5 * b + 2.5 for b in counts], list(counts.values()), width=4.5, alpha=0.6, label=kind)
     for ev in st.events:
-        ax2.axvline(ev.t - t0, color="tab:red" if ev.role == "valkey" else "tab:gray", ls="--", lw=1)
-    ax2.set_xlabel("time since the soak started (s), by request send time")
+        ax2.axvline(ev.t - t0, color="tab:red" if ev.role in ("valkey", "etcd") else "tab:gray", ls="--", lw=1)
     ax2.set_ylabel("requests per 5 s")
     if by_bin:
         ax2.legend(loc="upper left", fontsize=8)
+    if memory:
+        ax3 = axes[2]
+        ax3.plot([t for t, _ in memory], [mb for _, mb in memory], color="tab:purple", lw=1.2)
+        for ev in st.events:
+            ax3.axvline(ev.t - t0, color="tab:red" if ev.role in ("valkey", "etcd") else "tab:gray", ls="--", lw=1)
+        ax3.set_ylabel("Valkey used_memory (MB)")
+        ax3.set_ylim(bottom=0)
+        ax3.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("time since the soak started (s), by request send time")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -543,10 +634,13 @@ def _plot(st: _State, t0: float, path: Path, kinds: dict[int, str], title: str) 
 def bench_soak(redis_url: str | None, etcd_url: str | None, minutes: float, progress: bool = True, *,
                out_dir: str | Path = "report", load: float = 0.8, kill_every_s: float = 30.0,
                window_s: float = 30.0, clients: int = 16, capacity_s: float = 10.0, restart_delay_s: float = 1.0,
-               valkey_down_s: float = 1.0, drain_timeout_s: float = 240.0, seed: int | None = None) -> dict[str, Any]:
+               valkey_down_s: float = 1.0, etcd_down_s: float = 1.0, drain_timeout_s: float = 240.0,
+               retention_s: int = 60, memory_every_s: float = 5.0, seed: int | None = None) -> dict[str, Any]:
     """The soak described in this module's docstring; returns the report (JSON-ready) and writes soak.png and
     soak.json under `out_dir`. `redis_url` None: a durable Valkey of its own (restarted once mid-run); given: that
-    server, not restarted. `etcd_url` None: an etcd of its own."""
+    server, not restarted. `etcd_url` None: an etcd of its own (restarted once); given: not restarted.
+    `retention_s`: the cluster's stream retention and output-stream TTL (`policies.streams.retention_s`,
+    `output_ttl_s`), which bound Valkey's memory."""
     from workers.local.etcd import EtcdProcess
     from workers.local.supervise import free_port
     from workers.local.valkey import ValkeyProcess, valkey_durable_args
@@ -570,6 +664,7 @@ def bench_soak(redis_url: str | None, etcd_url: str | None, minutes: float, prog
                 etcd_url = etcd.url
             over = json.loads(json.dumps(SOAK_CLUSTER))
             over["policies"]["kv"] = {"l1_dir": str(tmpd / "l1")}
+            over["policies"]["streams"].update(retention_s=retention_s, output_ttl_s=retention_s)
             path = tmpd / "soak.yaml"
             config = config_overlay_file(path, over)
             port = free_port()
@@ -580,10 +675,12 @@ def bench_soak(redis_url: str | None, etcd_url: str | None, minutes: float, prog
             procs.start()
             asyncio.run(wait_cluster_ready(config, redis_url, etcd_url, 180))
             asyncio.run(wait_http_ready(url, 120))
-            report = _run(config, procs, url, port, valkey, redis_url, rng, base, wall_offset, duration_s,
+            report = _run(config, procs, url, port, valkey, etcd, redis_url, rng, base, wall_offset, duration_s,
                           progress=progress, load=load, kill_every_s=kill_every_s, window_s=window_s,
                           clients=clients, capacity_s=capacity_s, restart_delay_s=restart_delay_s,
-                          valkey_down_s=valkey_down_s, drain_timeout_s=drain_timeout_s, out_dir=Path(out_dir))
+                          valkey_down_s=valkey_down_s, etcd_down_s=etcd_down_s, drain_timeout_s=drain_timeout_s,
+                          memory_every_s=memory_every_s, out_dir=Path(out_dir))
+            report["retention_s"] = retention_s
         finally:
             if procs is not None:
                 procs.stop()
@@ -598,13 +695,29 @@ def bench_soak(redis_url: str | None, etcd_url: str | None, minutes: float, prog
                 valkey.stop()
     if valkey is None:
         report["valkey_restart_skipped"] = "an external Redis URL was given: this run does not own that server"
+    if etcd is None:
+        report["etcd_restart_skipped"] = "an external etcd URL was given: this run does not own that server"
     return report
 
 
-def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, valkey: Any, redis_url: str,
-         rng: random.Random, base: int, wall_offset: float, duration_s: float, *, progress: bool, load: float,
-         kill_every_s: float, window_s: float, clients: int, capacity_s: float, restart_delay_s: float,
-         valkey_down_s: float, drain_timeout_s: float, out_dir: Path) -> dict[str, Any]:
+def _memory_summary(samples: list[tuple[float, float]], load_end_s: float) -> dict[str, float | None]:
+    """Valkey's used_memory: the first sample a minute or more into the soak, the last one of the load, the
+    largest, and the last one (after the drain)."""
+    during = [mb for t, mb in samples if t <= load_end_s + 1]
+    first = next((mb for t, mb in samples if t >= 60.0), None)
+    return {
+        "after_first_minute": round(first, 2) if first is not None else None,
+        "end": round(during[-1], 2) if during else None,
+        "peak": round(max(during), 2) if during else None,
+        "after_drain": round(samples[-1][1], 2) if samples else None,
+    }
+
+
+def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, valkey: Any, etcd: Any,
+         redis_url: str, rng: random.Random, base: int, wall_offset: float, duration_s: float, *, progress: bool,
+         load: float, kill_every_s: float, window_s: float, clients: int, capacity_s: float, restart_delay_s: float,
+         valkey_down_s: float, etcd_down_s: float, drain_timeout_s: float, memory_every_s: float,
+         out_dir: Path) -> dict[str, Any]:
     # capacity: a closed loop that keeps every engine slot busy (after a warm-up: connections, imports, caches)
     if progress:
         print(f"soak: measuring capacity ({clients} clients, closed loop, {capacity_s:g} s after a 3 s warm-up)",
@@ -623,15 +736,23 @@ def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, v
         raise RuntimeError(f"capacity 0: no request completed in {capacity_s:g} s ({Counter(o.status for o in cap)})")
     rate = load * capacity
     n = int(rate * duration_s)
-    soak = _Soak(config, procs, url, port, valkey, rng)
-    schedule = _schedule(duration_s, kill_every_s, valkey is not None)
+    soak = _Soak(config, procs, url, port, valkey, etcd, rng)
+    schedule = _schedule(duration_s, kill_every_s, valkey is not None, etcd is not None)
     since_ms = int(time.time() * 1000) - 1000
+    fol = soak.follower = _Follower(redis_url, since_ms, base, n)
+    memory: list[tuple[float, float]] = []
+    load_end_s = duration_s
 
     async def main() -> float:
+        nonlocal load_end_s
         t0 = time.monotonic()
+        done = asyncio.Event()
+        following = asyncio.create_task(fol.run())
+        sampling = asyncio.create_task(_sample_memory(redis_url, t0, memory_every_s, memory, done))
+        verifying = asyncio.create_task(soak.verify(done))
         bar = tqdm(total=round(duration_s), desc="soak", unit="s", disable=not progress, file=sys.stderr)
         drive = asyncio.create_task(soak.drive(rate, duration_s, base, t0))
-        chaos = asyncio.create_task(soak.chaos(t0, schedule, restart_delay_s, valkey_down_s))
+        chaos = asyncio.create_task(soak.chaos(t0, schedule, restart_delay_s, valkey_down_s, etcd_down_s))
         shown = 0
         st = soak.state
         while not drive.done():
@@ -642,22 +763,41 @@ def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, v
                 shown = el
             last = st.events[-1].name if st.events else "-"
             ok = sum(1 for s in st.sent if s.outcome.ok)
+            mb = f", valkey {memory[-1][1]:.0f} MB" if memory else ""
             bar.set_postfix_str(f"{rate:.1f} req/s, done {ok}, in flight {st.in_flight}, kills {len(st.events)} "
-                                f"(last {last})")
+                                f"(last {last}){mb}")
+        bar.update(round(duration_s) - shown)
         bar.close()
         await drive
         await chaos
+        load_end_s = time.monotonic() - t0
+        # the drain: every accepted request's final result (the follower reads them as they land)
+        deadline = time.monotonic() + drain_timeout_s
+        want = set(fol.accepted.values())
+        dbar = tqdm(total=len(want), desc="soak: final results", unit="req", disable=not progress, file=sys.stderr)
+        while True:
+            dbar.n = len(want & fol.first.keys())
+            dbar.refresh()
+            if want <= fol.first.keys() or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        dbar.close()
+        done.set()
+        fol.stop = True
+        await asyncio.gather(following, sampling, verifying)
         return t0
 
     t0 = run_async(main())
+    census = run_async(_census(redis_url))
     st = soak.state
-    accepted, admitted_twice = run_async(_accepted(redis_url, since_ms, base, n))
+    accepted, admitted_twice = fol.accepted, fol.admitted_twice
     ids = set(accepted.values())
-    got, counts = run_async(_wait_results(redis_url, since_ms, ids, drain_timeout_s, progress))
+    got, counts = {rid: ev for rid, ev in fol.first.items() if rid in ids}, fol.counts
     kinds = _classify(st, accepted)
-    problems = {rid: p for rid, p in run_async(_check_streams(redis_url, got)).items()}
+    problems = {rid: p for rid, p in fol.problems.items() if rid in ids}
     interrupted_ids = [accepted[k] for k, kind in kinds.items() if kind == "interrupted" and k in accepted]
-    unreadable = run_async(_read_back(url, [rid for rid in interrupted_ids if rid in got]))
+    unreadable = {rid: soak.readback.get(rid) or "not read back before its output stream expired"
+                  for rid in interrupted_ids if rid in got and soak.readback.get(rid, "missing") is not None}
     # client errors, one per request: what the client saw, then what the streams hold
     by_rid = {rid: k for k, rid in accepted.items()}
     errors: dict[int, str] = {k: kind for k, kind in kinds.items()
@@ -681,13 +821,13 @@ def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, v
                 samples.append(f"interrupted {rid}: {problem}")
     for rid in ids - set(got):  # lost: counted as lost; an interrupted one without result is not also an error
         errors.pop(by_rid[rid], None)
-    kills = []
+    events = []
     st.events.sort(key=lambda e: e.t)
     for ev in st.events:
         t = ev.t - t0
         before, nb = _p99(st, ev.t - window_s, ev.t)
         after, na = _p99(st, ev.t, ev.t + window_s)
-        kills.append({
+        events.append({
             "role": ev.role, "name": ev.name, "t_s": round(t, 1), "p99_before_ms": before, "p99_after_ms": after,
             "n_before": nb, "n_after": na,
             "restart_s": round(ev.ready - ev.t, 2) if ev.ready is not None else None,
@@ -697,7 +837,17 @@ def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, v
     kind_counts = Counter(kinds.values())
     ok_lat = [s.outcome.latency_s * 1000 for s in st.sent if s.outcome.ok]
     ttft = [s.outcome.ttft_s * 1000 for s in st.sent if s.outcome.ok and s.outcome.ttft_s is not None]
-    valkey_ev = next((e for e in st.events if e.role == "valkey"), None)
+
+    def restarts(role: str) -> tuple[int, dict[str, Any] | None]:
+        evs = [e for e in st.events if e.role == role]
+        ok = sum(1 for e in evs if e.error is None)
+        first = None if not evs else {
+            "t_s": round(evs[0].t - t0, 1), "down_s": round((evs[0].ready or evs[0].t) - evs[0].t, 2),
+            **({"error": evs[0].error} if evs[0].error else {})}
+        return ok, first
+
+    valkey_restarts, valkey_first = restarts("valkey")
+    etcd_restarts, etcd_first = restarts("etcd")
     dead = [p.name for p in procs.dead()]
     report: dict[str, Any] = {
         "minutes": round(duration_s / 60, 2),
@@ -706,12 +856,13 @@ def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, v
         "capacity_errors": sum(1 for o in cap if not o.ok and not o.shed),
         "offered_rps": round(rate, 2),
         "load": load,
+        "requests": len(st.sent),
         "sent": len(st.sent),
         "accepted": len(ids),
         "completed": sum(1 for rid in ids if rid in got and got[rid].status == "ok"),
         "lost": len(ids - set(got)),
-        "duplicates": sum(c - 1 for c in counts.values() if c > 1),
-        "duplicate_requests": sum(1 for c in counts.values() if c > 1),
+        "duplicates": sum(c - 1 for rid, c in counts.items() if rid in ids and c > 1),
+        "duplicate_requests": sum(1 for rid, c in counts.items() if rid in ids and c > 1),
         "admitted_twice": admitted_twice,
         "client_errors": len(errors),
         "client_error_kinds": dict(Counter(errors.values())),
@@ -735,11 +886,17 @@ def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, v
         if st.send_lag_s else None,
         "transport_errors": dict(Counter((s.outcome.error or "").split(":", 1)[0] for s in st.sent
                                          if s.outcome.status == 0)),
-        "kills": kills,
-        "role_kills": sum(1 for e in st.events if e.role != "valkey"),
-        "valkey_restart": None if valkey_ev is None else {
-            "t_s": round(valkey_ev.t - t0, 1), "down_s": round((valkey_ev.ready or valkey_ev.t) - valkey_ev.t, 2),
-            **({"error": valkey_ev.error} if valkey_ev.error else {})},
+        "kills": sum(1 for e in st.events if e.role not in ("valkey", "etcd") and e.error is None),
+        "events": events,
+        "valkey_restarts": valkey_restarts,
+        "valkey_restart": valkey_first,
+        "etcd_restarts": etcd_restarts,
+        "etcd_restart": etcd_first,
+        "valkey_used_memory_mb": _memory_summary(memory, load_end_s),
+        "valkey_memory_series": [[round(t, 1), round(mb, 2)] for t, mb in memory],
+        "valkey_keys_end": census,
+        "follower_max_lag_s": round(fol.max_lag_s, 2),
+        "follower_read_errors": fol.read_errors,
         "gateway_down_s": [round(b - a, 2) for a, b in st.gateway_down],
         "unexpected_exits": dead,
         "wall_offset_s": round(wall_offset, 3),
@@ -753,7 +910,7 @@ def _run(config: RackflowConfig, procs: ClusterProcesses, url: str, port: int, v
     out_dir.mkdir(parents=True, exist_ok=True)
     title = (f"soak: {report['minutes']:g} min at {rate:.1f} req/s ({load:.0%} of {capacity:.1f}); "
              f"lost {report['lost']}, duplicates {report['duplicates']}, client errors {report['client_errors']}")
-    plot = _plot(st, t0, out_dir / "soak.png", kinds, title)
+    plot = _plot(st, t0, out_dir / "soak.png", kinds, title, memory)
     report["plot"] = plot
     if plot is None:
         report["plot_skipped"] = "matplotlib is not installed"

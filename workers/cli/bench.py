@@ -46,9 +46,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from workers.bench.soak import bench_soak
 
         # only servers named on the command line: the soak restarts Valkey, which it may do only to its own
-        _print(bench_soak(args.redis_url, args.etcd_url, minutes=args.minutes, progress=not args.no_progress),
-               args.json)
-        return 0
+        res = bench_soak(args.redis_url, args.etcd_url, minutes=args.minutes, progress=not args.no_progress)
+        _print(res, args.json)
+        # a soak that lost, doubled or failed a request, or whose roles died unasked, fails the command
+        return 0 if res["lost"] == res["duplicates"] == res["client_errors"] == 0 and \
+            not res["unexpected_exits"] else 1
 
     if args.what == "fuzz":
         from workers.bench.fuzz import bench_fuzz

@@ -29,6 +29,9 @@ class TokenOut:
     index: int
     token_id: int
     text: str
+    logprob: tuple[float, str, tuple[tuple[str, float], ...]] | None = None
+    """When the client asked for log probabilities (an engine that computes them): the token's, its own text, and
+    the most likely alternatives' (text, log probability), best first."""
 
 
 @dataclass(frozen=True, slots=True)

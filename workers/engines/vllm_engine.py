@@ -41,6 +41,7 @@ from pipeline.config import VllmEngineConfig
 from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
+from pipeline.sampling import LogprobEntry
 from pipeline.sampling import decode as decode_sampling
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 from workers.engines.vllm_kv_events import BlockChanges, VllmKvEvents
@@ -241,6 +242,8 @@ def vllm_sampling(text: str) -> dict[str, Any]:
         out["presence_penalty"] = s.presence_penalty
     if s.frequency_penalty:
         out["frequency_penalty"] = s.frequency_penalty
+    if s.logprobs is not None:
+        out["logprobs"] = s.logprobs
     fmt = s.response_format or {}
     if fmt.get("type") in ("json_object", "json_schema"):
         from vllm.sampling_params import StructuredOutputsParams
@@ -248,6 +251,30 @@ def vllm_sampling(text: str) -> dict[str, Any]:
         schema = (fmt.get("json_schema") or {}).get("schema")
         out["structured_outputs"] = (StructuredOutputsParams(json=schema) if fmt["type"] == "json_schema" and schema
                                      else StructuredOutputsParams(json_object=True))
+    return out
+
+
+LOGPROB_FLOOR = -9999.0
+"""A log probability of minus infinity (a token the sampler's cut left out) is reported as this, as vLLM's server
+does: JSON has no infinity."""
+
+
+def _logprob_entries(ids: list[int], logprobs: Any, top: int) -> list[LogprobEntry]:
+    """vLLM's per-token log probabilities of a delta (`CompletionOutput.logprobs`: per token, {token id: Logprob})
+    as `pipeline.sampling` entries: the chosen token's, and the `top` most likely, best first."""
+    out: list[LogprobEntry] = []
+    for k, tid in enumerate(ids):
+        d = logprobs[k] if logprobs is not None and k < len(logprobs) else None
+        if not d:
+            out.append((0.0, "", ()))
+            continue
+        chosen = d.get(tid)
+        ranked = sorted(d.values(), key=lambda lp: (lp.rank if lp.rank is not None else 1 << 30))[:top]
+        out.append((
+            max(LOGPROB_FLOOR, chosen.logprob) if chosen is not None else LOGPROB_FLOOR,
+            (chosen.decoded_token or "") if chosen is not None else "",
+            tuple((lp.decoded_token or "", max(LOGPROB_FLOOR, lp.logprob)) for lp in ranked),
+        ))
     return out
 
 
@@ -333,7 +360,8 @@ class VllmEngine:
         self.tokenizer: Any = None
         self.counters = VllmCounters()
         self.live: dict[str, _Live] = {}
-        self._outbox: asyncio.Queue[tuple[str, str, list[int], str, bool, str]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[
+            tuple[str, str, list[int], str, bool, str, list[LogprobEntry] | None]] = asyncio.Queue()
         self._aborts: set[asyncio.Future[None]] = set()
         self.steps = 0
         self.tokens = 0
@@ -455,16 +483,18 @@ class VllmEngine:
         live.task = asyncio.ensure_future(self._pump(req.request_id, vrid, prompt, params))
 
     async def _pump(self, rid: str, vrid: str, prompt: dict[str, Any], params: Any) -> None:
+        top = params.logprobs
         try:
             async for out in self.engine.generate(prompt, params, request_id=vrid):
                 c = out.outputs[0]
+                lps = _logprob_entries(list(c.token_ids), c.logprobs, top) if top is not None else None
                 self._outbox.put_nowait((rid, vrid, list(c.token_ids), c.text, bool(out.finished),
-                                         c.finish_reason or ""))
+                                         c.finish_reason or "", lps))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # reported as a finished sequence with an error reason
             log.exception("vllm request %s failed", rid)
-            self._outbox.put_nowait((rid, vrid, [], "", True, f"error: {e}"))
+            self._outbox.put_nowait((rid, vrid, [], "", True, f"error: {e}", None))
 
     def take_block_events(self) -> list[BlockChanges]:
         """What vLLM's prefix cache stored and evicted since the last call, as prefix hashes (its KV events)."""
@@ -485,7 +515,7 @@ class VllmEngine:
         now = self.now_ms()
         tokens: list[TokenOut] = []
         finished: list[SeqFinished] = []
-        for rid, vrid, ids, text, done, reason in items:
+        for rid, vrid, ids, text, done, reason, lps in items:
             live = self.live.get(rid)
             if live is None or live.vrid != vrid:
                 continue  # aborted, moved away, or an earlier incarnation of a resumed sequence
@@ -494,7 +524,8 @@ class VllmEngine:
                 if index == 0:
                     live.first_token_ms = now
                 live.generated.append(tid)
-                tokens.append(TokenOut(rid, index, tid, text if k == len(ids) - 1 else ""))
+                tokens.append(TokenOut(rid, index, tid, text if k == len(ids) - 1 else "",
+                                       lps[k] if lps is not None and k < len(lps) else None))
             if done:
                 del self.live[rid]
                 if reason.startswith("error"):

@@ -47,7 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.config import RackflowConfig
 from pipeline.events import REQUEST_ID, RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
-from pipeline.sampling import SamplingRefused, check_engine
+from pipeline.sampling import LogprobEntry, SamplingRefused, check_engine, decode_logprobs
+from pipeline.sampling import decode as decode_sampling
 from pipeline.sampling import encode as encode_sampling
 from streams.runner import connect, is_cluster_url, retrying_connection_kwargs
 from workers.gateway.auth import Authenticator, Principal
@@ -56,9 +57,11 @@ from workers.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     chatml_prompt,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     usage,
     validation_message,
@@ -91,6 +94,11 @@ def _from_result(result: ResultEvent) -> ApiError:
     if "no healthy" in msg:
         return ApiError(503, msg, "no_capacity")
     return ApiError(502, f"the request failed in the cluster: {msg}", "upstream_error")
+
+
+def _wants_logprobs(req: RequestEvent) -> bool:
+    """Whether the client asked for log probabilities (the engine was checked for them at admission)."""
+    return bool(req.sampling) and decode_sampling(req.sampling).logprobs is not None
 
 
 def _timeout(request_id: str, timeout_s: float) -> ApiError:
@@ -392,6 +400,7 @@ class _Api(Edge):
         req = adm.req
         n = len(adm.choices)
         texts: list[list[str]] = [[] for _ in range(n)]
+        lps: list[list[LogprobEntry]] | None = [[] for _ in range(n)] if _wants_logprobs(req) else None
         results: list[ResultEvent | None] = [None] * n
         self.metrics.in_flight.inc()
         try:
@@ -400,6 +409,8 @@ class _Api(Edge):
                     if isinstance(ev, TokenEvent):
                         self._on_tokens(adm, ev, not any(texts))
                         texts[i].append(ev.text)
+                        if lps is not None:
+                            lps[i] += decode_logprobs(ev.logprobs)
                         continue
                     results[i] = ev
                     self._finished(adm, ev.status)
@@ -419,12 +430,14 @@ class _Api(Edge):
         done = [r for r in results if r is not None]
         assert len(done) == n  # outputs() ends with the result or raises
         build = chat_response if kind == "chat" else completion_response
+        fmt_lp = chat_logprobs if kind == "chat" else completion_logprobs
         body = build(req.request_id, req.model, adm.created, done[0].text or "".join(texts[0]),
                      self.finish_reason(adm.choices[0], done[0]), done[0].in_tokens,
-                     sum(r.out_tokens for r in done))
+                     sum(r.out_tokens for r in done), fmt_lp(lps[0]) if lps is not None else None)
         for i in range(1, n):
             extra = build(req.request_id, req.model, adm.created, done[i].text or "".join(texts[i]),
-                          self.finish_reason(adm.choices[i], done[i]), 0, 0)["choices"][0]
+                          self.finish_reason(adm.choices[i], done[i]), 0, 0,
+                          fmt_lp(lps[i]) if lps is not None else None)["choices"][0]
             extra["index"] = i
             body["choices"].append(extra)
         return JSONResponse(body)
@@ -437,18 +450,27 @@ class _Api(Edge):
         rid, model, created = req.request_id, req.model, adm.created
         n = len(adm.choices)
 
+        want_lp = _wants_logprobs(req)
+        offsets = [0] * n
+        """Per choice, the text streamed so far (a completion's logprobs.text_offset counts from it)."""
+
         def chunk(i: int, content: Any, finish: str | None = None, usage_: dict[str, int] | None = None,
-                  with_choice: bool = True) -> dict[str, Any]:
+                  with_choice: bool = True, ev: TokenEvent | None = None) -> dict[str, Any]:
             build = chat_chunk if kind == "chat" else completion_chunk
-            out = build(rid, model, created, content, finish, usage_, with_choice)
+            lp = None
+            if ev is not None and want_lp:
+                entries = decode_logprobs(ev.logprobs)
+                lp = chat_logprobs(entries) if kind == "chat" else completion_logprobs(entries, offsets[i])
+                offsets[i] += sum(len(tok) for _lp, tok, _alts in entries)
+            out = build(rid, model, created, content, finish, usage_, with_choice, lp)
             if with_choice and i:
                 out["choices"][0]["index"] = i
             return out
 
-        def piece(i: int, text: str, finish: str | None = None) -> dict[str, Any]:
+        def piece(i: int, text: str, finish: str | None = None, ev: TokenEvent | None = None) -> dict[str, Any]:
             if kind == "chat":
-                return chunk(i, {"content": text} if text else {}, finish)
-            return chunk(i, text, finish)
+                return chunk(i, {"content": text} if text else {}, finish, ev=ev)
+            return chunk(i, text, finish, ev=ev)
 
         self.metrics.in_flight.inc()
         first = [True] * n
@@ -463,9 +485,9 @@ class _Api(Edge):
                         if isinstance(ev, TokenEvent):
                             self._on_tokens(adm, ev, all(first))
                             if first[i] and kind == "chat":
-                                yield _sse(chunk(i, {"role": "assistant", "content": ev.text}))
-                            elif ev.text or first[i]:
-                                yield _sse(piece(i, ev.text))
+                                yield _sse(chunk(i, {"role": "assistant", "content": ev.text}, ev=ev))
+                            elif ev.text or first[i] or (want_lp and ev.logprobs):
+                                yield _sse(piece(i, ev.text, ev=ev))
                             first[i] = False
                             continue
                         self._finished(adm, ev.status)

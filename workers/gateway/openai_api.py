@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.sampling import Sampling
+from pipeline.sampling import LogprobEntry, Sampling
 
 __all__ = [
     "ChatCompletionRequest",
@@ -25,9 +25,11 @@ __all__ = [
     "CompletionRequest",
     "StreamOptions",
     "chat_chunk",
+    "chat_logprobs",
     "chat_response",
     "chatml_prompt",
     "completion_chunk",
+    "completion_logprobs",
     "completion_response",
     "error_body",
     "usage",
@@ -268,23 +270,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def completion_response(
     request_id: str, model: str, created: int, text: str, finish_reason: str, prompt_tokens: int,
-    completion_tokens: int,
+    completion_tokens: int, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
 def completion_chunk(
     request_id: str, model: str, created: int, text: str, finish_reason: str | None = None,
-    usage_: dict[str, int] | None = None, with_choice: bool = True,
+    usage_: dict[str, int] | None = None, with_choice: bool = True, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}] if with_choice else []
+    choices = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}] if with_choice \
+        else []
     out: dict[str, Any] = {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
@@ -299,7 +302,7 @@ def completion_chunk(
 
 def chat_response(
     request_id: str, model: str, created: int, text: str, finish_reason: str, prompt_tokens: int,
-    completion_tokens: int,
+    completion_tokens: int, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{request_id}",
@@ -310,7 +313,7 @@ def chat_response(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -320,9 +323,10 @@ def chat_response(
 
 def chat_chunk(
     request_id: str, model: str, created: int, delta: dict[str, str], finish_reason: str | None = None,
-    usage_: dict[str, int] | None = None, with_choice: bool = True,
+    usage_: dict[str, int] | None = None, with_choice: bool = True, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}] if with_choice else []
+    choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}] if with_choice \
+        else []
     out: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion.chunk",
@@ -333,3 +337,23 @@ def chat_chunk(
     if usage_ is not None:
         out["usage"] = usage_
     return out
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """OpenAI's `choices[].logprobs` of a chat completion (or of one chunk): per token its text, log probability,
+    UTF-8 bytes and the `top_logprobs` alternatives."""
+    return {"content": [
+        {"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+         "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())} for a, b in alts]}
+        for lp, tok, alts in entries]}
+
+
+def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions' `choices[].logprobs`: parallel lists of tokens, their log probabilities, the
+    alternatives ({text: log probability}) and each token's offset in the text, counted from `offset`."""
+    offsets = []
+    for _lp, tok, _alts in entries:
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": [tok for _lp, tok, _alts in entries], "token_logprobs": [lp for lp, _tok, _alts in entries],
+            "top_logprobs": [dict(alts) for _lp, _tok, alts in entries], "text_offset": offsets}

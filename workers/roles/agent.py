@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent
 from streams import codec, keys
-from streams.runner import connect
+from streams.runner import connect, minid_for
 from workers.health.nvml_source import NvmlSource, NvmlUnavailable
 from workers.health.sim_source import SimGpuSource, worker_status
 from workers.shell import metrics
@@ -201,6 +201,7 @@ class HealthAgent:
         self.gpu_indices = gpu_indices
         self.revoke_on_stop = revoke_on_stop
         self.interval_s = config.policies.health.interval_ms / 1000.0
+        self.retention_ms = config.policies.streams.retention_s * 1000
         self.max_status_age_ms = max(2000.0, 5.0 * config.policies.worker.status_interval_ms)
         self.stats = AgentStats()
         self.heartbeat: AgentHeartbeat | None = None
@@ -214,6 +215,8 @@ class HealthAgent:
         enc = codec.encode(ev)
         pipe = r.pipeline(transaction=False)
         pipe.xadd(keys.HEALTH, enc, maxlen=HEALTH_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        # and no older than the streams' retention (the tighter bound wins)
+        pipe.xtrim(keys.HEALTH, minid=minid_for(ev.ts_ms, self.retention_ms), approximate=True)
         pipe.hset(keys.node_gpu(self.node), mapping=enc)  # type: ignore[arg-type]
         await pipe.execute()
 

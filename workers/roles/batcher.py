@@ -54,7 +54,7 @@ class Batcher:
         self.view = ClusterView(config, self.r, self.registry, stale_ms=pol.node_selection.stale_ms)
         retention_ms = pol.streams.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
-        self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
+        self.results = ResultWriter(self.r, WALL.now_ms, retention_ms, out_ttl_s=pol.streams.output_ttl_s)
         self.consumer = StreamConsumer(
             self.r, keys.rack_requests(rack), keys.GROUP_BATCHER, self.actor,
             self._on_requests, now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=50,

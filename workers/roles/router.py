@@ -44,7 +44,7 @@ class Router:
         self.node_rack = {n.name: config.rack_of(n.name) for n in config.nodes()}
         retention_ms = pol.streams.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
-        self.results = ResultWriter(self.r, WALL.now_ms, retention_ms)
+        self.results = ResultWriter(self.r, WALL.now_ms, retention_ms, out_ttl_s=pol.streams.output_ttl_s)
         self.no_rack_wait_s = no_rack_wait_s
         self.consumer = StreamConsumer(
             self.r, keys.INGRESS, keys.GROUP_ROUTER, consumer_name("router"), self._on_requests,

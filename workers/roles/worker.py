@@ -41,12 +41,12 @@ from pipeline.events import (
     TokenEvent,
 )
 from pipeline.kv.snapshot import KvSnapshot
-from pipeline.sampling import SamplingRefused, StopMatcher, check_engine
+from pipeline.sampling import LogprobEntry, SamplingRefused, StopMatcher, check_engine, encode_logprobs
 from pipeline.sampling import decode as decode_sampling
 from pipeline.sequences import Delivered, Intake, intake, intake_batch
 from pipeline.stats import stream_id_key
 from streams import codec, keys
-from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from streams.runner import Delivery, StreamConsumer, StreamProducer, connect, minid_for
 from workers.control.failover import RELEASE_WAKE_TTL_S, release_wake_key
 from workers.engines import StepOutput, build_engine
 from workers.engines.base import EngineError, SeqFinished
@@ -71,6 +71,8 @@ class _Live:
     batched_ms: float
     entry_id: str
     pending_tokens: list[tuple[int, int, str]] = field(default_factory=list)  # (index, token_id, text)
+    pending_logprobs: list[LogprobEntry] = field(default_factory=list)
+    """Of the pending tokens, their log probabilities, when the engine reports them (the client asked)."""
     text: list[str] = field(default_factory=list)
     first_token_ms: float = 0.0
     """Set for a resumed sequence: when the client got its first token (on the old owner)."""
@@ -103,7 +105,8 @@ class Worker:
         self.retention_ms = sp.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, self.retention_ms)
         self.results = ResultWriter(
-            self.r, WALL.now_ms, self.retention_ms, ewma_alpha=config.policies.profiling.ewma_alpha
+            self.r, WALL.now_ms, self.retention_ms, out_ttl_s=sp.output_ttl_s,
+            ewma_alpha=config.policies.profiling.ewma_alpha,
         )
         self.registry = NodeRegistry(etcd_url, ttl_s=config.policies.worker.lease_ttl_s)
         self.consumer = StreamConsumer(
@@ -527,6 +530,8 @@ class Worker:
                     stopped.append(SeqFinished(t.request_id, t.index + 1, live.started_ms,
                                                live.first_token_ms or live.first_seen_ms or now, now, "stop"))
             live.pending_tokens.append((t.index, t.token_id, text))
+            if t.logprob is not None:
+                live.pending_logprobs.append(t.logprob)
             live.text.append(text)
             if t.index == 0:
                 first.append(t.request_id)
@@ -650,12 +655,14 @@ class Worker:
             live = self.live.get(rid)
             if live is None or not live.pending_tokens:
                 continue
-            toks = live.pending_tokens
+            toks, lps = live.pending_tokens, live.pending_logprobs
             events.append(TokenEvent(
                 request_id=rid, version=live.req.version, index=toks[0][0], token_ids=tuple(t[1] for t in toks),
                 texts=tuple(t[2] for t in toks), ts_ms=now, node=self.node, reply_to=live.req.reply_to,
+                logprobs=encode_logprobs(lps) if len(lps) == len(toks) else "",
             ))
             live.pending_tokens = []
+            live.pending_logprobs = []
         return events
 
     async def _flush_tokens(self, only: list[str] | None = None) -> None:
@@ -709,6 +716,8 @@ class Worker:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(keys.node_status(self.node), mapping=codec.encode(ev))  # type: ignore[arg-type]
         pipe.xadd(keys.HEALTH, codec.encode(ev), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+        # and no older than the streams' retention (the tighter bound wins)
+        pipe.xtrim(keys.HEALTH, minid=minid_for(WALL.now_ms(), self.retention_ms), approximate=True)
         await pipe.execute()
 
     async def _apply_faults(self) -> None:

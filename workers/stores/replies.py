@@ -135,7 +135,8 @@ class ReplyMux:
 
     async def _create(self) -> None:
         pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self.key, _HELLO, maxlen=keys.GATEWAY_REPLIES_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        pipe.xadd(self.key, _HELLO, minid=f"{int(time.time() * 1000) - keys.GATEWAY_REPLIES_KEEP_MS}-0",  # type: ignore[arg-type]
+                  approximate=True)
         pipe.expire(self.key, self.ttl_s)
         await pipe.execute()
 

@@ -28,13 +28,14 @@ from workers.shell.runtime import WALL
 log = logging.getLogger(__name__)
 
 
-def _reply(pipe: object, ev: TokenEvent | ResultEvent, fields: dict[bytes, bytes], at: set[int]) -> None:
+def _reply(pipe: object, ev: TokenEvent | ResultEvent, fields: dict[bytes, bytes], at: set[int], minid: str) -> None:
     """Queue the copy of `ev` for its gateway's reply stream on `pipe` (nothing without a valid `reply_to`), and
-    note its position in `at`: a copy that fails must not fail the write (see `_execute`)."""
+    note its position in `at`: a copy that fails must not fail the write (see `_execute`). The stream keeps
+    `keys.GATEWAY_REPLIES_KEEP_MS` of entries (`minid`): its gateway reads them as they come, and one that falls
+    further behind reads a quiet request from the request's own stream (its sweep)."""
     if ev.reply_to and keys.is_gateway_replies(ev.reply_to):
         at.add(len(pipe))  # type: ignore[arg-type]
-        pipe.xadd(ev.reply_to, fields, maxlen=keys.GATEWAY_REPLIES_MAXLEN, approximate=True,  # type: ignore[attr-defined]
-                  nomkstream=True)
+        pipe.xadd(ev.reply_to, fields, minid=minid, approximate=True, nomkstream=True)  # type: ignore[attr-defined]
 
 
 async def _execute(pipe: object, replies: set[int]) -> list[object]:
@@ -125,6 +126,9 @@ class ResultWriter:
         self._script = r.register_script(_FINAL_LUA)
         self.marker_ttl_s = max(60, retention_ms // 1000)
 
+    def _reply_minid(self) -> str:
+        return minid_for(self.now_ms(), keys.GATEWAY_REPLIES_KEEP_MS)
+
     async def write(self, result: ResultEvent) -> bool:
         """Write the final result; False when one was already written for this request (nothing is added)."""
         f = codec.encode(result)
@@ -155,7 +159,7 @@ class ResultWriter:
         rep: set[int] = set()
         pipe.xadd(out, f)  # type: ignore[arg-type]
         pipe.expire(out, self.out_ttl_s)
-        _reply(pipe, result, f, rep)
+        _reply(pipe, result, f, rep, self._reply_minid())
         await _execute(pipe, rep)
         metrics.observe_results([result], [bool(written)])
         return bool(written)
@@ -181,7 +185,7 @@ class ResultWriter:
                 pipe.expire(out, self.out_ttl_s)
                 expiring.add(ev.request_id)
             if ev.reply_to and keys.is_gateway_replies(ev.reply_to):
-                _reply(pipe, ev, tf, rep)
+                _reply(pipe, ev, tf, rep, self._reply_minid())
                 n_replies += 1
         encoded = [codec.encode(r) for r in results]
         for r, f in zip(results, encoded, strict=True):
@@ -202,7 +206,7 @@ class ResultWriter:
             out = keys.request_out(r.request_id)
             pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)  # also covers a result whose stream had no token chunk
-            _reply(pipe, r, f, rep)
+            _reply(pipe, r, f, rep, self._reply_minid())
         if results:
             await _execute(pipe, rep)
         metrics.observe_results(results, written)
@@ -216,7 +220,7 @@ class ResultWriter:
         rep: set[int] = set()
         for ev in tokens:
             f = codec.encode(ev)
-            _reply(pipe, ev, f, rep)  # the gateway's copy: every chunk, before any result
+            _reply(pipe, ev, f, rep, self._reply_minid())  # the gateway's copy: every chunk, before any result
             if ev.request_id in finishing:
                 continue  # goes out inside the finish script, right before the result
             out = keys.request_out(ev.request_id)
@@ -240,7 +244,7 @@ class ResultWriter:
                 client=pipe,
             )
         for r, f in zip(results, encoded, strict=True):
-            _reply(pipe, r, f, rep)
+            _reply(pipe, r, f, rep, self._reply_minid())
         replies = await _execute(pipe, rep)
         written = [bool(x) for x in replies[n_before:n_before + len(results)]]
         metrics.observe_results(results, written)
@@ -282,7 +286,7 @@ class ResultWriter:
             f = codec.encode(ev)
             pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)
-            _reply(pipe, ev, f, rep)
+            _reply(pipe, ev, f, rep, self._reply_minid())
         await _execute(pipe, rep)
 
 
