@@ -163,6 +163,22 @@ class StreamProducer:
         return [_s(x) for x in await pipe.execute()]
 
 
+async def last_delivered(r: aioredis.Redis, stream: str, group: str) -> str:
+    """The id of the last entry of `stream` delivered to `group` ("" when none was, or the stream or group does not
+    exist)."""
+    try:
+        groups = await r.xinfo_groups(stream)
+    except ResponseError:  # no such stream
+        return ""
+    for g in groups:
+        name = g.get("name", g.get(b"name"))
+        if name in (group, group.encode()):
+            last = g.get("last-delivered-id", g.get(b"last-delivered-id")) or ""
+            last = last.decode() if isinstance(last, bytes) else str(last)
+            return "" if last == "0-0" else last
+    return ""
+
+
 async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
     """Create the group at the start of the stream (entries written before the first consumer are not lost)."""
     try:

@@ -151,6 +151,13 @@ class _State:
     """(kill, ready) of each gateway outage, time.monotonic()."""
 
 
+async def _respawn(server: Any, timeout_s: float = 30.0) -> None:
+    """Start a killed server again on its ports and data dir: spawned from the main thread (so that it dies with
+    this process), waited for in a thread."""
+    server.spawn()
+    await asyncio.to_thread(server.wait_healthy, timeout_s)
+
+
 def _kill_group(p: RoleProcess) -> None:
     """kill -9 of the role's process group (a Celery worker's pool dies with it), then reap."""
     try:
@@ -236,7 +243,10 @@ class _Soak:
         self.procs.procs.remove(victim)
         await asyncio.sleep(restart_delay_s)
         try:
-            await asyncio.to_thread(self._restart, victim)
+            # spawned from the main thread: a child dies with this process only when the thread that forked it is
+            # the main one (PR_SET_PDEATHSIG; workers/shell/runtime.py die_with_parent), so a soak that is killed
+            # leaves no restarted role behind
+            self._restart(victim)
             if role == "gateway":
                 await wait_http_ready(self.url, 120)
         except Exception as e:  # reported, the run goes on (the next kills, the drain and the checks)
@@ -304,8 +314,7 @@ class _Soak:
         try:
             await asyncio.to_thread(self.etcd.kill)
             await asyncio.sleep(down_s)
-            self.etcd._client_given = self.etcd._peer_given = True  # the same ports: the roles' URL is unchanged
-            await asyncio.to_thread(self.etcd.start)
+            await _respawn(self.etcd)  # the same ports and data dir: the roles' URL is unchanged
         except Exception as e:
             ev.error = f"{type(e).__name__}: {e}"
         ev.ready = time.monotonic()
@@ -320,7 +329,7 @@ class _Soak:
         try:
             await asyncio.to_thread(self.valkey.kill)  # SIGKILL: no shutdown, no final fsync
             await asyncio.sleep(down_s)
-            await asyncio.to_thread(self.valkey.start)  # same port and data dir: reloads the append-only file
+            await _respawn(self.valkey)  # same port and data dir: reloads the append-only file
         except Exception as e:
             ev.error = f"{type(e).__name__}: {e}"
         ev.ready = time.monotonic()

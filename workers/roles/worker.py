@@ -46,7 +46,7 @@ from pipeline.sampling import decode as decode_sampling
 from pipeline.sequences import Delivered, Intake, intake, intake_batch
 from pipeline.stats import stream_id_key
 from streams import codec, keys
-from streams.runner import Delivery, StreamConsumer, StreamProducer, connect, minid_for
+from streams.runner import Delivery, StreamConsumer, StreamProducer, connect, last_delivered, minid_for
 from workers.control.failover import RELEASE_WAKE_TTL_S, release_wake_key
 from workers.engines import StepOutput, build_engine
 from workers.engines.base import EngineError, SeqFinished
@@ -822,6 +822,12 @@ class Worker:
         engine_stop = asyncio.Event()
         status_stop = asyncio.Event()
         await self._publish_blocks(cleared=True)  # whatever an earlier incarnation had cached is gone
+        # Every batch entry delivered before this start went to an earlier incarnation (and then to the failover
+        # drain, or stays pending for this one to claim): the batchers release their reservations for them. A
+        # restarted worker that reported "" would leave them reserved forever, and its rack's batcher would never
+        # dispatch to it again.
+        delivered = await last_delivered(self.r, keys.node_batches(self.node), keys.GROUP_WORKER)
+        self.last_batch_entry = max(self.last_batch_entry, delivered, key=stream_id_key)
         await self.publish_status()
         self.recorder.start()
         tasks = [
