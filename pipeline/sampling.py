@@ -22,7 +22,7 @@ from pipeline.errors import RackflowError
 
 __all__ = [
     "ENGINE_PARAMS", "PARAM_NOTES", "LogprobEntry", "Sampling", "SamplingRefused", "check_engine", "decode",
-    "decode_logprobs", "encode", "encode_logprobs",
+    "decode_logprobs", "encode", "encode_logprobs", "tool_call_schema", "tool_mode",
 ]
 
 
@@ -50,6 +50,9 @@ class Sampling:
     """`{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}` (guided decoding)."""
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: Any = None
+    """`none`, `auto` (the default with tools), `required`, or `{"type": "function", "function": {"name": N}}`."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one tool call (under `required`, the grammar's array holds one item)."""
 
     def asked(self) -> list[str]:
         """The parameters this asks of the sampler, in OpenAI's names (values that change nothing left out)."""
@@ -104,16 +107,16 @@ ENGINE_PARAMS: dict[str, frozenset[str]] = {
     # a real transformer: its sampler draws from the logits (temperature, nucleus, penalties), seeded per position
     "torch": frozenset({"stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty"}),
     # vLLM's own SamplingParams (log probabilities of the raw logits, as vLLM's server reports them) and structured
-    # outputs
+    # outputs (response_format; tools under `required` or a named function, as vLLM's server constrains them)
     "vllm": frozenset({"stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "logprobs",
-                       "response_format"}),
+                       "response_format", "tools"}),
 }
 """The sampler parameters each engine honours (`n` is the gateway's on every engine)."""
 
 PARAM_NOTES: dict[str, str] = {
     "logprobs": "log probabilities come from vLLM's sampler; this engine does not report them",
     "response_format": "guided decoding (JSON mode, JSON schema) needs vLLM's structured-output backend",
-    "tools": "tool calls need a chat template with tools and a tool-call parser; not served on this engine yet",
+    "tools": "a forced tool call (tool_choice required or a named function) needs vLLM's structured outputs",
     "top_p": "the sim engine's placeholder tokens have no distribution to cut",
     "presence_penalty": "the sim engine's placeholder tokens have no logits to penalise",
     "frequency_penalty": "the sim engine's placeholder tokens have no logits to penalise",
@@ -179,3 +182,39 @@ def decode_logprobs(text: str) -> list[LogprobEntry]:
     if not text:
         return []
     return [(float(lp), str(tok), tuple((str(a), float(b)) for a, b in alts)) for lp, tok, alts in json.loads(text)]
+
+
+def tool_mode(s: Sampling) -> str:
+    """How the answer becomes tool calls: `none` (no tools, or tool_choice none), `auto` (the model may call them:
+    the hermes format, `<tool_call>{...}</tool_call>`), `required` (a grammar: a JSON array of one or more
+    `{"name", "parameters"}`) or `named` (a grammar: the named function's arguments as one JSON object)."""
+    if not s.tools or s.tool_choice == "none":
+        return "none"
+    if s.tool_choice in (None, "auto"):
+        return "auto"
+    if s.tool_choice == "required":
+        return "required"
+    return "named"
+
+
+def _params(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool.get("function", {}).get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object", "properties": {}}
+
+
+def tool_call_schema(s: Sampling) -> dict[str, Any] | None:
+    """The JSON schema that forces a tool call (vLLM's server builds the same one for its structured outputs:
+    `vllm.tool_parsers.utils.get_json_schema_from_tools`); None where nothing is forced."""
+    mode = tool_mode(s)
+    if mode == "named":
+        name = s.tool_choice["function"]["name"]
+        tool = next(t for t in s.tools if t.get("function", {}).get("name") == name)
+        return _params(tool)
+    if mode != "required":
+        return None
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": _params(t)},
+         "required": ["name", "parameters"]} for t in s.tools]}}
+    if s.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema

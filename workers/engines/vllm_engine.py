@@ -41,7 +41,7 @@ from pipeline.config import VllmEngineConfig
 from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
-from pipeline.sampling import LogprobEntry
+from pipeline.sampling import LogprobEntry, tool_call_schema
 from pipeline.sampling import decode as decode_sampling
 from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
 from workers.engines.vllm_kv_events import BlockChanges, VllmKvEvents
@@ -245,7 +245,12 @@ def vllm_sampling(text: str) -> dict[str, Any]:
     if s.logprobs is not None:
         out["logprobs"] = s.logprobs
     fmt = s.response_format or {}
-    if fmt.get("type") in ("json_object", "json_schema"):
+    forced = tool_call_schema(s)
+    if forced is not None:  # a forced tool call: its arguments' grammar (the gateway refuses it with a format)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        out["structured_outputs"] = StructuredOutputsParams(json=forced)
+    elif fmt.get("type") in ("json_object", "json_schema"):
         from vllm.sampling_params import StructuredOutputsParams
 
         schema = (fmt.get("json_schema") or {}).get("schema")

@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.config import RackflowConfig
 from pipeline.events import REQUEST_ID, RequestEvent, ResultEvent, TokenEvent
 from pipeline.profiling import ProfileInput
-from pipeline.sampling import LogprobEntry, SamplingRefused, check_engine, decode_logprobs
+from pipeline.sampling import LogprobEntry, Sampling, SamplingRefused, check_engine, decode_logprobs, tool_mode
 from pipeline.sampling import decode as decode_sampling
 from pipeline.sampling import encode as encode_sampling
 from streams.runner import connect, is_cluster_url, retrying_connection_kwargs
@@ -63,6 +63,7 @@ from workers.gateway.openai_api import (
     completion_chunk,
     completion_logprobs,
     completion_response,
+    parse_tool_calls,
     usage,
     validation_message,
 )
@@ -94,6 +95,15 @@ def _from_result(result: ResultEvent) -> ApiError:
     if "no healthy" in msg:
         return ApiError(503, msg, "no_capacity")
     return ApiError(502, f"the request failed in the cluster: {msg}", "upstream_error")
+
+
+def _tool_finish(sampling: Sampling, finish: str, calls: list[dict[str, Any]]) -> str:
+    """OpenAI's finish_reason with tools (as vLLM's server reports it): `tool_calls` when the model called tools
+    under `auto`, or under `required` and ended on its own; a named function's call ends with `stop`."""
+    mode = tool_mode(sampling)
+    if calls and (mode == "auto" or (mode == "required" and finish == "stop")):
+        return "tool_calls"
+    return finish
 
 
 def _wants_logprobs(req: RequestEvent) -> bool:
@@ -287,7 +297,7 @@ class _Api(Edge):
         except SamplingRefused as e:
             raise ApiError(400, str(e), "unsupported_parameter", e.param) from None
         if isinstance(body, ChatCompletionRequest):
-            prompt = chatml_prompt(body.messages)
+            prompt = chatml_prompt(body.messages, body.tools)
             max_tokens = body.output_limit
         else:
             prompt = body.prompt
@@ -337,7 +347,7 @@ class _Api(Edge):
         """The request's own output stream (Gateway.outputs is an async generator: closed when we stop early)."""
         return self.gateway.outputs(request_id)
 
-    async def _merged(self, adm: _Admitted) -> AsyncIterator[tuple[int, TokenEvent | ResultEvent]]:
+    async def _merged(self, adm: _Admitted) -> AsyncGenerator[tuple[int, TokenEvent | ResultEvent], None]:
         """(choice index, event) of every choice's output stream as they arrive; one choice: its stream alone."""
         if len(adm.choices) == 1:
             async with aclosing(self.outputs(adm.req.request_id)) as events:
@@ -429,17 +439,30 @@ class _Api(Edge):
             self.metrics.in_flight.dec()
         done = [r for r in results if r is not None]
         assert len(done) == n  # outputs() ends with the result or raises
-        build = chat_response if kind == "chat" else completion_response
         fmt_lp = chat_logprobs if kind == "chat" else completion_logprobs
-        body = build(req.request_id, req.model, adm.created, done[0].text or "".join(texts[0]),
-                     self.finish_reason(adm.choices[0], done[0]), done[0].in_tokens,
-                     sum(r.out_tokens for r in done), fmt_lp(lps[0]) if lps is not None else None)
-        for i in range(1, n):
-            extra = build(req.request_id, req.model, adm.created, done[i].text or "".join(texts[i]),
-                          self.finish_reason(adm.choices[i], done[i]), 0, 0,
-                          fmt_lp(lps[i]) if lps is not None else None)["choices"][0]
-            extra["index"] = i
-            body["choices"].append(extra)
+        sampling = decode_sampling(req.sampling) if kind == "chat" and req.sampling else None
+        body: dict[str, Any] = {}
+        for i in range(n):
+            text: str | None = done[i].text or "".join(texts[i])
+            finish = self.finish_reason(adm.choices[i], done[i])
+            lp = fmt_lp(lps[i]) if lps is not None else None
+            if kind == "chat":
+                calls: list[dict[str, Any]] = []
+                if sampling is not None and tool_mode(sampling) != "none":
+                    text, calls = parse_tool_calls(text or "", sampling, adm.choices[i].request_id)
+                    finish = _tool_finish(sampling, finish, calls)
+                one = chat_response(req.request_id, req.model, adm.created, text, finish,
+                                    done[0].in_tokens if i == 0 else 0, sum(r.out_tokens for r in done) if i == 0
+                                    else 0, lp, calls)
+            else:
+                one = completion_response(req.request_id, req.model, adm.created, text or "", finish,
+                                          done[0].in_tokens if i == 0 else 0,
+                                          sum(r.out_tokens for r in done) if i == 0 else 0, lp)
+            if i == 0:
+                body = one
+            else:
+                one["choices"][0]["index"] = i
+                body["choices"].append(one["choices"][0])
         return JSONResponse(body)
 
     async def sse(self, adm: _Admitted, kind: str) -> AsyncIterator[str]:
@@ -451,6 +474,10 @@ class _Api(Edge):
         n = len(adm.choices)
 
         want_lp = _wants_logprobs(req)
+        sampling = decode_sampling(req.sampling) if kind == "chat" and req.sampling else None
+        tooling = sampling is not None and tool_mode(sampling) != "none"
+        held: list[list[str]] = [[] for _ in range(n)]
+        """With tools, each choice's text, held to its end: whether it is a tool call is known from the whole."""
         offsets = [0] * n
         """Per choice, the text streamed so far (a completion's logprobs.text_offset counts from it)."""
 
@@ -484,6 +511,9 @@ class _Api(Edge):
                     async for i, ev in merged:
                         if isinstance(ev, TokenEvent):
                             self._on_tokens(adm, ev, all(first))
+                            if tooling:
+                                held[i].append(ev.text)
+                                continue
                             if first[i] and kind == "chat":
                                 yield _sse(chunk(i, {"role": "assistant", "content": ev.text}, ev=ev))
                             elif ev.text or first[i] or (want_lp and ev.logprobs):
@@ -495,10 +525,21 @@ class _Api(Edge):
                             log.info("request %s failed: %s", ev.request_id, ev.error)
                             error = _from_result(ev)
                             break
+                        finish = self.finish_reason(adm.choices[i], ev)
+                        if tooling and sampling is not None:
+                            # the whole answer at once: its text, or its tool calls (streamed as OpenAI's deltas)
+                            text, calls = parse_tool_calls(ev.text or "".join(held[i]), sampling,
+                                                           adm.choices[i].request_id)
+                            finish = _tool_finish(sampling, finish, calls)
+                            yield _sse(chunk(i, {"role": "assistant", "content": text}))
+                            if calls:
+                                yield _sse(chunk(i, {"tool_calls": [
+                                    {"index": j, **c} for j, c in enumerate(calls)]}))
+                            first[i] = False
                         if first[i] and kind == "chat":  # no token at all: the role still comes before the end
                             yield _sse(chunk(i, {"role": "assistant", "content": ""}))
                         first[i] = False
-                        yield _sse(piece(i, "", self.finish_reason(adm.choices[i], ev)))
+                        yield _sse(piece(i, "", finish))
                         out_tokens += ev.out_tokens
                         in_tokens = ev.in_tokens
                     else:

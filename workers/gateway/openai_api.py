@@ -13,11 +13,13 @@ extensions keep working.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.sampling import LogprobEntry, Sampling
+from pipeline.sampling import LogprobEntry, Sampling, tool_mode
 
 __all__ = [
     "ChatCompletionRequest",
@@ -32,6 +34,7 @@ __all__ = [
     "completion_logprobs",
     "completion_response",
     "error_body",
+    "parse_tool_calls",
     "usage",
     "validation_message",
 ]
@@ -154,6 +157,20 @@ class ChatMessage(_Body):
     content: str | None = None
     """Text, or a list of `{"type": "text", "text": ...}` parts (joined); null only for an assistant turn."""
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    """An assistant turn's tool calls (`{"id", "type": "function", "function": {"name", "arguments"}}`)."""
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    """A tool turn: the call it answers."""
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, call in enumerate(v or ()):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                    not isinstance(fn.get("arguments"), str):
+                raise ValueError(f"tool call {i} needs a `function` with a string `name` and string `arguments`")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -212,10 +229,45 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("the legacy functions/function_call are not supported; send tools/tool_choice")
         return v
 
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        names = set()
+        for i, tool in enumerate(v or ()):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict):
+                raise ValueError(f"tool {i}: only function tools are supported "
+                                 '({"type": "function", "function": {"name": ..., "parameters": ...}})')
+            name = fn.get("name")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+                raise ValueError(f"tool {i}: function.name must be 1-64 letters, digits, _ or -")
+            if "parameters" in fn and not isinstance(fn["parameters"], dict):
+                raise ValueError(f"tool {i} ({name}): function.parameters must be a JSON schema object")
+            if name in names:
+                raise ValueError(f"tool {i}: the function name {name!r} is given twice")
+            names.add(name)
+        return v
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, {t["function"]["name"] for t in self.tools or ()}
+        if choice is None or choice in ("none", "auto"):
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice other than none needs tools")
+        named = isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict) and choice["function"].get("name") in names
+        if choice != "required" and not named:
+            raise ValueError('tool_choice must be none, auto, required, or {"type": "function", "function": '
+                             f'{{"name": N}}}} with N one of the tools ({", ".join(sorted(names))})')
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format and a forced tool_choice both constrain the answer; send one of them")
+        return self
+
     def sampling(self) -> Sampling:
         return self._sampling((self.top_logprobs or 0) if self.logprobs else None,
                               response_format=self.response_format, tools=tuple(self.tools or ()),
-                              tool_choice=self.tool_choice)
+                              tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls)
 
     @property
     def output_limit(self) -> int | None:
@@ -226,14 +278,108 @@ class ChatCompletionRequest(_Sampling):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
-def chatml_prompt(messages: list[ChatMessage]) -> str:
-    """The ChatML text of a conversation, ending with the open assistant turn: this is the prompt profiled."""
+_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call>"
+)
+
+
+def _tool_call_text(call: dict[str, Any]) -> str:
+    fn = call["function"]
+    try:
+        args: Any = json.loads(fn["arguments"])
+    except ValueError:
+        args = fn["arguments"]
+    return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def chatml_prompt(messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
+    """The ChatML text of a conversation, ending with the open assistant turn: this is the prompt profiled.
+
+    With tools, the conversation is written as Qwen2.5's chat template writes it (the hermes tool format): the
+    function signatures in the system turn, an assistant's calls as `<tool_call>` blocks, and the tool turns' answers
+    as `<tool_response>` blocks in a user turn."""
     parts = []
-    for m in messages:
+    msgs = list(messages)
+    if tools:
+        sig = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        if msgs and msgs[0].role in ("system", "developer"):
+            head = (msgs[0].content or "") + "\n\n"
+            msgs = msgs[1:]
+        else:
+            head = ""
+        parts.append(f"<|im_start|>system\n{head}{_TOOLS_HEADER}{sig}{_TOOLS_FOOTER}<|im_end|>\n")
+    for k, m in enumerate(msgs):
         role = "system" if m.role == "developer" else m.role
-        parts.append(f"<|im_start|>{role}\n{m.content or ''}<|im_end|>\n")
+        if role == "tool":
+            first = k == 0 or msgs[k - 1].role != "tool"
+            last = k == len(msgs) - 1 or msgs[k + 1].role != "tool"
+            parts.append(("<|im_start|>user" if first else "") + f"\n<tool_response>\n{m.content or ''}\n"
+                         "</tool_response>" + ("<|im_end|>\n" if last else ""))
+            continue
+        text = m.content or ""
+        if role == "assistant" and m.tool_calls:
+            text = "\n".join(([text] if text else []) + [_tool_call_text(c) for c in m.tool_calls])
+        parts.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
     return "".join(parts)
+
+
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+
+def parse_tool_calls(text: str, sampling: Sampling, request_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """The answer as (content, tool calls) under the request's tool mode (`pipeline.sampling.tool_mode`):
+    - `named`: the text is the function's arguments (a grammar made it one JSON object);
+    - `required`: a JSON array of `{"name", "parameters"}` (a grammar made it so);
+    - `auto`: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks (the hermes format, as vLLM's
+      `hermes` tool parser reads them); the text before the first block is the content, a block that is not such
+      JSON stays in the content.
+    An answer cut by max_tokens before its JSON closed is returned as content, with no call (as vLLM's server
+    does). Call ids are `call_` + the request id and the call's position, so a resumed answer keeps them."""
+    mode = tool_mode(sampling)
+
+    def call(j: int, name: str, args: Any) -> dict[str, Any]:
+        return {"id": f"call_{request_id.replace('-', '')[:20]}{j}", "type": "function",
+                "function": {"name": name, "arguments": args if isinstance(args, str) else
+                             json.dumps(args, ensure_ascii=False)}}
+
+    if mode == "none":
+        return text, []
+    if mode in ("named", "required"):
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return text, []
+        if mode == "named":
+            return ("", [call(0, sampling.tool_choice["function"]["name"], parsed)]) if isinstance(parsed, dict) \
+                else (text, [])
+        if not isinstance(parsed, list) or not all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                                                   for x in parsed):
+            return text, []
+        return "", [call(j, x["name"], x.get("parameters", {})) for j, x in enumerate(parsed)]
+    calls: list[dict[str, Any]] = []
+    known = {t["function"]["name"] for t in sampling.tools}
+    start = None
+    for m in _HERMES_CALL.finditer(text):
+        body = (m.group(1) if m.group(1) is not None else m.group(2) or "").strip()
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or obj.get("name") not in known:
+            continue
+        start = m.start() if start is None else start
+        calls.append(call(len(calls), obj["name"], obj.get("arguments", {})))
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return (content or None), calls
 
 
 def validation_message(e: ValidationError, limit: int = 3) -> tuple[str, str | None]:
@@ -301,8 +447,8 @@ def completion_chunk(
 
 
 def chat_response(
-    request_id: str, model: str, created: int, text: str, finish_reason: str, prompt_tokens: int,
-    completion_tokens: int, logprobs: dict[str, Any] | None = None,
+    request_id: str, model: str, created: int, text: str | None, finish_reason: str, prompt_tokens: int,
+    completion_tokens: int, logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{request_id}",
@@ -312,7 +458,8 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": text,
+                            **({"tool_calls": tool_calls} if tool_calls else {})},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
@@ -322,7 +469,7 @@ def chat_response(
 
 
 def chat_chunk(
-    request_id: str, model: str, created: int, delta: dict[str, str], finish_reason: str | None = None,
+    request_id: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None = None,
     usage_: dict[str, int] | None = None, with_choice: bool = True, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}] if with_choice \
