@@ -78,3 +78,13 @@ def test_status_shows_a_drained_node_its_fault_and_the_roles(clean_services: Ser
         assert not procs.dead(), [p.log_path.read_text()[-1500:] for p in procs.dead()]
     finally:
         procs.stop()
+
+
+def test_status_with_etcd_unreachable_says_so_without_a_traceback(clean_services: ServiceEndpoints,  # type: ignore[no-untyped-def]
+                                                                   config_file) -> None:
+    path = config_file(CLUSTER)
+    down = ServiceEndpoints(clean_services.redis_url, "http://127.0.0.1:1")
+    res = _cli(path, down, "status")
+    assert res.returncode == 1, res.stdout
+    assert "cannot read the cluster's state" in res.stderr and "127.0.0.1:1" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr

@@ -1,11 +1,14 @@
 """`rackflow bench soak --minutes N`: a steady load at 80% of capacity while a random role is killed every 30 s and
-Valkey is restarted once; what the clients saw, and whether every accepted request ended exactly once.
+Valkey and etcd are restarted once each; what the clients saw, whether every accepted request ended exactly once,
+and whether Valkey's memory stayed flat.
 
 The run, in order:
 
 1. Valkey (durable: append-only file, `appendfsync always`, `valkey_durable_args`) and etcd are started in a
-   temporary directory unless URLs are given. A given Redis URL is a server this run does not own: it is not
-   restarted (`valkey_restart` is then None and `valkey_restart_skipped` says why).
+   temporary directory unless URLs are given. A given URL is a server this run does not own: it is not restarted
+   (`valkey_restarts`/`etcd_restarts` are then 0 and `valkey_restart_skipped`/`etcd_restart_skipped` say why).
+   The cluster keeps `retention_s` (60 s) of every stream and of each request's own output stream
+   (`policies.streams.retention_s`, `output_ttl_s`): that, not the run's length, bounds Valkey's memory.
 2. A cluster of real processes: 2 racks x 2 `sim` H100 nodes (real iteration times, `max_running` 2 per engine, so
    that capacity is set by the engines, not by the CPU the kills and restarts also need), a router, a batcher per
    rack, one HTTP gateway (`--no-auth`), and failover (a health agent per node, the monitor, a Celery worker).
@@ -17,9 +20,13 @@ The run, in order:
    batcher, the gateway, the Celery worker (main process and pool) or the monitor. A second later it is started
    again, under the same name, as a supervisor (systemd, Kubernetes) would. Once, halfway between two kills in the
    middle of the run, Valkey gets SIGKILL and is started again on the same port and data dir after 1 s (put off
-   while a killed gateway is not back yet: the clients would not see the outage).
-5. When the open loop has sent everything, the run waits (up to `drain_timeout_s`) until every accepted request
-   has its final result, then checks each one.
+   while a killed gateway is not back yet: the clients would not see the outage). Once, between the kill a quarter
+   into the run and the next, etcd gets SIGKILL and is started again the same way (its WAL holds the registry and
+   the leases).
+5. While the load runs, a follower reads `rf:ingress` and `rf:results` as they grow (one blocking XREAD of both)
+   and checks each final result's output stream when it lands, and Valkey's `used_memory` is sampled every 5 s:
+   with a 60 s retention an end-of-run read would find only the last minute. When the open loop has sent
+   everything, the run waits (up to `drain_timeout_s`) until every accepted request has its final result.
 
 Definitions (what the report counts):
 
@@ -50,7 +57,13 @@ Definitions (what the report counts):
   (`not_in_ingress`). `client_error_kinds` counts them by kind, `client_error_samples` shows a few;
   `client_errors_accepted`: how many of them had been admitted (the others, e.g. a 503 with Retry-After while
   Valkey is down, never entered the pipeline).
-- `kills`: one entry per kill (and one, role `valkey`, for the Valkey restart): `{role, name, t_s, p99_before_ms,
+- `kills`: role processes killed (and started again without error); `valkey_restarts`, `etcd_restarts`: server
+  restarts that came back.
+- `valkey_used_memory_mb`: `after_first_minute` (the first sample 60 s or more into the load), `end` (the last one
+  of the load), `peak`, `after_drain`; `valkey_memory_series` all samples; `valkey_keys_end` the keys at the end by
+  pattern (count, MB). `follower_max_lag_s`: the oldest entry the follower read (under `retention_s`: none trimmed
+  unread).
+- `events`: one entry per kill and server restart: `{role, name, t_s, p99_before_ms,
   p99_after_ms, n_before, n_after, restart_s, overlaps}`: the p99 end-to-end latency (send -> whole answer, or ->
   `[DONE]`) of the requests sent in the `window_s` (30 s) before the kill and in the `window_s` after it
   (completed ones, as the client saw them); `restart_s`: kill -> the new process spawned (gateway: -> `/healthz`
@@ -62,10 +75,10 @@ Definitions (what the report counts):
 - Kills and the Valkey restart fire on their own schedule (a slow restart does not delay the next event).
 
 The plot (`soak.png` in `out_dir`, default `report/`) shows every completed request's latency over time with the
-rolling p99, the kills and the Valkey restart marked, and per 5 s the shed, refused, interrupted and failed
-requests; `soak.json` beside it holds the report. RACKFLOW_BENCH_KEEP_LOGS=DIR keeps the processes' logs there.
-Progress goes to stderr (tqdm). The load generator, the cluster and the kills share this machine's cores, so the
-latencies include CPU contention.
+rolling p99, the kills and the server restarts marked, per 5 s the shed, refused, interrupted and failed requests,
+and Valkey's memory; `soak.json` beside it holds the report. RACKFLOW_BENCH_KEEP_LOGS=DIR keeps the processes'
+logs there. Progress goes to stderr (tqdm). The load generator, the cluster and the kills share this machine's
+cores, so the latencies include CPU contention.
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ def _flags() -> dict[str, dict[str, Any]]:
         type=float,
         default=20.0,
         help="soak: minutes of load at 80%% of capacity, a random "
-                 "role killed every 30 s, Valkey restarted once"),
+                 "role killed every 30 s, Valkey and etcd restarted once each (exits 1 on a lost, doubled or failed "
+                 "request)"),
     }
 
 

@@ -211,6 +211,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from aetcd.exceptions import ClientError as EtcdError
     from redis.exceptions import RedisError
 
     from workers.cli.common import config_of, endpoints
@@ -222,7 +223,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     while True:
         try:
             st = asyncio.run(cluster_status(config, redis_url, etcd_url, WALL.now_ms()))
-        except (RedisError, OSError) as e:
+        except (RedisError, EtcdError, OSError) as e:
             print(f"rackflow status: cannot read the cluster's state from {redact(redis_url)} / {etcd_url}: {e}",
                   file=sys.stderr)
             return 1
