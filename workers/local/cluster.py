@@ -91,6 +91,11 @@ def config_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+STOP_BUDGET_S = 8.0
+"""How long stopping a local cluster's roles may take (Ctrl-C on `rackflow up`, the demo's end): workers get a
+quarter of it to finish live sequences, every stage at most a third, then SIGKILL; the services stop after."""
+
+
 class LocalCluster:
     """Services (unless URLs are given) + role processes, stopped in reverse order."""
 
@@ -132,6 +137,7 @@ class LocalCluster:
             batchers_per_rack=getattr(args, "batchers_per_rack", None),
             gateways=getattr(args, "gateways", 1),
             role_urls=role_urls,
+            worker_grace_s=STOP_BUDGET_S / 4,
         )
 
     def start(self) -> None:
@@ -143,7 +149,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         try:
-            self.procs.stop()
+            self.procs.stop(budget_s=STOP_BUDGET_S)
         finally:
             if self.services is not None:
                 self.services.stop()

@@ -117,6 +117,9 @@ class ClusterProcesses:
     role_urls): each role logs in as its own user (router, batcher, worker, agent, monitor, gateway, celery, flower)
     instead of `redis_url`. The URL, with its password, reaches the child in its environment, not its command line
     (which `ps` shows to every local user)."""
+    worker_grace_s: float | None = None
+    """Seconds a worker gets to finish its live sequences on SIGTERM (`worker --grace`); None: the role's default
+    (30 s, for a supervisor's rolling restart). `rackflow up` and the demo stop in seconds."""
     procs: list[RoleProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -251,14 +254,21 @@ class ClusterProcesses:
             cores = vllm_cpu_cores([n.name for n in self.config.nodes()], node)
             if cores is not None:
                 env = {"VLLM_CPU_OMP_THREADS_BIND": cores}
-        return self._spawn("worker", f"worker-{node}", ["--node", node, "--engine", self.engine], env_extra=env)
+        grace = ["--grace", f"{self.worker_grace_s:g}"] if self.worker_grace_s is not None else []
+        return self._spawn("worker", f"worker-{node}", ["--node", node, "--engine", self.engine, *grace],
+                           env_extra=env)
 
     def dead(self) -> list[RoleProcess]:
         return [p for p in self.procs if p.proc.poll() is not None]
 
-    def stop(self, timeout_s: float = 40.0) -> None:
+    def stop(self, timeout_s: float = 40.0, budget_s: float | None = None) -> None:
+        """SIGTERM the roles stage by stage (gateways first, so that nothing new comes in; workers after the roles
+        that feed them), each stage given `timeout_s` before SIGKILL. `budget_s`: the whole stop takes about this
+        long at most (`rackflow up`'s Ctrl-C): a stage gets at most a third of it, and what is left of it."""
         order = {"gateway": 0, "monitor": 1, "router": 2, "batcher": 3, "worker": 4, "agent": 5, "celery": 6,
                  "flower": 7}
+        end = time.monotonic() + budget_s if budget_s is not None else None
+        cap = min(timeout_s, budget_s / 3) if budget_s is not None else timeout_s
         for stage in sorted({order.get(p.role, 8) for p in self.procs}):
             group = [p for p in self.procs if order.get(p.role, 8) == stage and p.proc.poll() is None]
             for p in group:
@@ -266,13 +276,18 @@ class ClusterProcesses:
                     p.proc.send_signal(signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + cap
+            if end is not None:
+                deadline = max(time.monotonic() + 0.2, min(deadline, end))
             for p in group:
                 try:
                     p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop within %.0fs; killing it", p.name, timeout_s)
-                    os.killpg(p.proc.pid, signal.SIGKILL)
+                    log.warning("%s did not stop within %.1fs; killing it", p.name, cap)
+                    try:
+                        os.killpg(p.proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                     p.proc.wait()
         self.procs.clear()
 
