@@ -30,6 +30,10 @@ from workers.stores.results import ResultWriter, error_result
 log = logging.getLogger(__name__)
 
 
+STOP_WAIT_S = 2.0
+"""On stop, how long the batch in hand may take to finish before it is left pending for another router."""
+
+
 class Router:
     def __init__(self, config: RackflowConfig, redis_url: str, etcd_url: str, no_rack_wait_s: float = 30.0) -> None:
         self.config = config
@@ -168,6 +172,11 @@ class Router:
         log.info("router ready (policy %s)", self.policy.name)
         await stop.wait()
         self.consumer.stop()
+        # a batch waiting for a healthy rack (up to no_rack_wait_s) is left pending for the next router: a stop is
+        # not held up by it (its entries were not acknowledged; a successor claims them)
+        _done, pending = await asyncio.wait({consume}, timeout=STOP_WAIT_S)
+        for t in pending:
+            t.cancel()
         await asyncio.gather(consume, refresh, feed, return_exceptions=True)
         await self.consumer.close()
         await self.registry.close(revoke=False)
