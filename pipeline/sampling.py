@@ -116,7 +116,8 @@ ENGINE_PARAMS: dict[str, frozenset[str]] = {
 PARAM_NOTES: dict[str, str] = {
     "logprobs": "log probabilities come from vLLM's sampler; this engine does not report them",
     "response_format": "guided decoding (JSON mode, JSON schema) needs vLLM's structured-output backend",
-    "tools": "a forced tool call (tool_choice required or a named function) needs vLLM's structured outputs",
+    "tools": "tool calls are served on the vllm engine (its structured outputs force a call; the answer is read for "
+             "hermes <tool_call> blocks)",
     "top_p": "the sim engine's placeholder tokens have no distribution to cut",
     "presence_penalty": "the sim engine's placeholder tokens have no logits to penalise",
     "frequency_penalty": "the sim engine's placeholder tokens have no logits to penalise",
