@@ -114,6 +114,6 @@ def test_ctrl_c_stops_rackflow_up_under_load_within_its_budget(tmp_path: Path) -
     # the roles' budget, then Valkey's and etcd's own stop and the interpreter's exit (measured: 6.6 s; 41.6 s
     # before the budget, the gateway's 10 s stream grace and the workers' 30 s drain one after the other)
     print(f"\nstopped in {took:.1f} s")
-    assert took < STOP_BUDGET_S + 10, took
+    assert took < STOP_BUDGET_S + 12, took
     left = [pid for pid in children if Path(f"/proc/{pid}").exists()]
     assert not left, f"processes of the run left behind: {left}"
