@@ -13,6 +13,10 @@ INGRESS = "rf:ingress"
 DECISIONS = "rf:decisions"
 RESULTS = "rf:results"
 HEALTH = "rf:health"
+HEALTH_MAXLEN = 100_000
+"""rf:health is capped at about this many entries (XADD MAXLEN ~) ..."""
+HEALTH_TRIM_EVERY_MS = 5_000.0
+"""... and, by each publisher this often, trimmed to the streams' retention (XTRIM MINID ~): the tighter bound wins."""
 DLQ = "rf:dlq"
 CONFIG = "rf:config"
 """The config in force (JSON), written by the router at start; `replay export` records it."""

@@ -117,7 +117,9 @@ def test_logprobs_come_from_vllms_sampler(gw: tuple[str, str]) -> None:
         model=gw[1], messages=[{"role": "user", "content": "Describe the rack in a sentence."}], max_tokens=6,
         temperature=0, logprobs=True, top_logprobs=3, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    # (the second request finds the prompt cached: its prefill differs in shape, its numbers by float rounding)
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=2e-3)
     # legacy completions: parallel lists and each token's offset in the text
     c = _client(gw).completions.create(model=gw[1], prompt="The rack", max_tokens=5, temperature=0, logprobs=2)
     lp = c.choices[0].logprobs

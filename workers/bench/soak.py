@@ -162,6 +162,8 @@ class _State:
     events: list[Chaos] = field(default_factory=list)
     gateway_down: list[tuple[float, float]] = field(default_factory=list)
     """(kill, ready) of each gateway outage, time.monotonic()."""
+    cut: list[int] = field(default_factory=list)
+    """Requests whose client got a transport error or a stream without [DONE] (to read back by id)."""
 
 
 async def _respawn(server: Any, timeout_s: float = 30.0) -> None:
@@ -216,6 +218,8 @@ class _Soak:
                 finally:
                     st.in_flight -= 1
                 st.sent.append(Sent(k, o))
+                if o.status == 0 or (200 <= o.status < 300 and o.error == "stream ended without [DONE]"):
+                    st.cut.append(k)
 
             for k in range(int(rate * duration_s)):
                 due = t0 + k / rate
@@ -295,9 +299,7 @@ class _Soak:
         async with httpx.AsyncClient(timeout=30) as c:
             while True:
                 last_pass = done.is_set()
-                cut = [s.k for s in st.sent if s.outcome.status == 0 or
-                       (200 <= s.outcome.status < 300 and s.outcome.error == "stream ended without [DONE]")]
-                for k in cut:
+                for k in list(st.cut):
                     rid = fol.accepted.get(k)
                     if rid is None or rid in self.readback or rid not in fol.first or self._gateway_down:
                         continue
@@ -527,18 +529,19 @@ async def _sample_memory(redis_url: str, t0: float, every_s: float, out: list[tu
         await r.aclose()
 
 
+_HASH_TAG = re.compile(r"\{(?!rf:)[^}]*\}")
 _ID_PART = re.compile(r"[0-9a-f]{8,}(-[0-9a-f]{4,})*|\d{3,}")
 
 
 async def _census(redis_url: str, sample: int = 20) -> dict[str, dict[str, float]]:
-    """Valkey's keys grouped by pattern (ids and numbers as `*`): how many, and their memory (MB; MEMORY USAGE of
-    up to `sample` keys per group, scaled to the group)."""
+    """Valkey's keys grouped by pattern (hash tags of a request, node or user, ids and numbers as `*`): how many, and
+    their memory (MB; MEMORY USAGE of up to `sample` keys per group, scaled to the group)."""
     r = connect(redis_url)
     groups: dict[str, list[bytes]] = {}
     try:
         async for key in r.scan_iter(count=1000):
             name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
-            groups.setdefault(_ID_PART.sub("*", name), []).append(key)
+            groups.setdefault(_ID_PART.sub("*", _HASH_TAG.sub("{*}", name)), []).append(key)
         out: dict[str, dict[str, float]] = {}
         for pattern, ks in groups.items():
             picked = ks[:sample]

@@ -264,15 +264,15 @@ LOGPROB_FLOOR = -9999.0
 does: JSON has no infinity."""
 
 
-def _logprob_entries(ids: list[int], logprobs: Any, top: int) -> list[LogprobEntry]:
+def _logprob_entries(ids: list[int], logprobs: Any, top: int) -> list[LogprobEntry] | None:
     """vLLM's per-token log probabilities of a delta (`CompletionOutput.logprobs`: per token, {token id: Logprob})
-    as `pipeline.sampling` entries: the chosen token's, and the `top` most likely, best first."""
+    as `pipeline.sampling` entries: the chosen token's, and the `top` most likely, best first. None when vLLM gave
+    none for a token of it (the chunk then carries none, rather than made-up numbers)."""
     out: list[LogprobEntry] = []
     for k, tid in enumerate(ids):
         d = logprobs[k] if logprobs is not None and k < len(logprobs) else None
         if not d:
-            out.append((0.0, "", ()))
-            continue
+            return None
         chosen = d.get(tid)
         ranked = sorted(d.values(), key=lambda lp: (lp.rank if lp.rank is not None else 1 << 30))[:top]
         out.append((

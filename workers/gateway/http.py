@@ -476,10 +476,11 @@ class _Api(Edge):
         want_lp = _wants_logprobs(req)
         sampling = decode_sampling(req.sampling) if kind == "chat" and req.sampling else None
         tooling = sampling is not None and tool_mode(sampling) != "none"
+        # with tools, each choice's text is held to its end: whether it is a tool call is known from the whole
         held: list[list[str]] = [[] for _ in range(n)]
-        """With tools, each choice's text, held to its end: whether it is a tool call is known from the whole."""
+        # per choice, the text streamed so far (a completion's logprobs.text_offset counts from it)
         offsets = [0] * n
-        """Per choice, the text streamed so far (a completion's logprobs.text_offset counts from it)."""
+        timed = False  # the first token of the request has been observed (the TTFT histogram)
 
         def chunk(i: int, content: Any, finish: str | None = None, usage_: dict[str, int] | None = None,
                   with_choice: bool = True, ev: TokenEvent | None = None) -> dict[str, Any]:
@@ -510,7 +511,8 @@ class _Api(Edge):
                 async with aclosing(self._merged(adm)) as merged:
                     async for i, ev in merged:
                         if isinstance(ev, TokenEvent):
-                            self._on_tokens(adm, ev, all(first))
+                            self._on_tokens(adm, ev, not timed)
+                            timed = True
                             if tooling:
                                 held[i].append(ev.text)
                                 continue

@@ -44,7 +44,6 @@ SourceName = Literal["nvml", "sim"]
 SOURCES: tuple[SourceName, ...] = ("nvml", "sim")
 HEARTBEAT_TTL_S = 2
 HEARTBEAT_REFRESH_S = 1.0
-HEALTH_MAXLEN = 100_000
 EXIT_NO_NVML = 2
 _EVENT_FIELDS = frozenset(f.name for f in dataclasses.fields(HealthEvent))
 
@@ -202,6 +201,7 @@ class HealthAgent:
         self.revoke_on_stop = revoke_on_stop
         self.interval_s = config.policies.health.interval_ms / 1000.0
         self.retention_ms = config.policies.streams.retention_s * 1000
+        self._trimmed_ms = 0.0
         self.max_status_age_ms = max(2000.0, 5.0 * config.policies.worker.status_interval_ms)
         self.stats = AgentStats()
         self.heartbeat: AgentHeartbeat | None = None
@@ -214,9 +214,10 @@ class HealthAgent:
     async def publish(self, r: aioredis.Redis, ev: HealthEvent) -> None:
         enc = codec.encode(ev)
         pipe = r.pipeline(transaction=False)
-        pipe.xadd(keys.HEALTH, enc, maxlen=HEALTH_MAXLEN, approximate=True)  # type: ignore[arg-type]
-        # and no older than the streams' retention (the tighter bound wins)
-        pipe.xtrim(keys.HEALTH, minid=minid_for(ev.ts_ms, self.retention_ms), approximate=True)
+        pipe.xadd(keys.HEALTH, enc, maxlen=keys.HEALTH_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        if ev.ts_ms - self._trimmed_ms >= keys.HEALTH_TRIM_EVERY_MS:  # and trimmed to the retention
+            pipe.xtrim(keys.HEALTH, minid=minid_for(ev.ts_ms, self.retention_ms), approximate=True)
+            self._trimmed_ms = ev.ts_ms
         pipe.hset(keys.node_gpu(self.node), mapping=enc)  # type: ignore[arg-type]
         await pipe.execute()
 

@@ -103,6 +103,7 @@ class Worker:
         sp = config.policies.streams
         self.r = connect(redis_url)
         self.retention_ms = sp.retention_s * 1000
+        self._health_trimmed_ms = 0.0
         self.producer = StreamProducer(self.r, WALL.now_ms, self.retention_ms)
         self.results = ResultWriter(
             self.r, WALL.now_ms, self.retention_ms, out_ttl_s=sp.output_ttl_s,
@@ -715,9 +716,10 @@ class Worker:
         metrics.KV_CAPACITY_KB.labels(self.node).set(ev.kv_capacity_kb)
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(keys.node_status(self.node), mapping=codec.encode(ev))  # type: ignore[arg-type]
-        pipe.xadd(keys.HEALTH, codec.encode(ev), maxlen=100_000, approximate=True)  # type: ignore[arg-type]
-        # and no older than the streams' retention (the tighter bound wins)
-        pipe.xtrim(keys.HEALTH, minid=minid_for(WALL.now_ms(), self.retention_ms), approximate=True)
+        pipe.xadd(keys.HEALTH, codec.encode(ev), maxlen=keys.HEALTH_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        if ev.ts_ms - self._health_trimmed_ms >= keys.HEALTH_TRIM_EVERY_MS:  # and no older than the retention
+            pipe.xtrim(keys.HEALTH, minid=minid_for(ev.ts_ms, self.retention_ms), approximate=True)
+            self._health_trimmed_ms = ev.ts_ms
         await pipe.execute()
 
     async def _apply_faults(self) -> None:

@@ -155,11 +155,12 @@ class ResultWriter:
         # Always end the client stream: if an earlier attempt wrote the result but died before this point, the
         # client would otherwise wait forever. A client stops at the first result entry, so a repeat is harmless.
         out = keys.request_out(result.request_id)
+        reply_minid = self._reply_minid()
         pipe = self.r.pipeline(transaction=False)
         rep: set[int] = set()
         pipe.xadd(out, f)  # type: ignore[arg-type]
         pipe.expire(out, self.out_ttl_s)
-        _reply(pipe, result, f, rep, self._reply_minid())
+        _reply(pipe, result, f, rep, reply_minid)
         await _execute(pipe, rep)
         metrics.observe_results([result], [bool(written)])
         return bool(written)
@@ -173,6 +174,7 @@ class ResultWriter:
         if not self.cluster:
             return await self._write_many_single(results, tokens)
         minid = minid_for(self.now_ms(), self.retention_ms)
+        reply_minid = self._reply_minid()
         pipe = self.r.pipeline(transaction=False)
         rep: set[int] = set()
         expiring: set[str] = set()
@@ -185,7 +187,7 @@ class ResultWriter:
                 pipe.expire(out, self.out_ttl_s)
                 expiring.add(ev.request_id)
             if ev.reply_to and keys.is_gateway_replies(ev.reply_to):
-                _reply(pipe, ev, tf, rep, self._reply_minid())
+                _reply(pipe, ev, tf, rep, reply_minid)
                 n_replies += 1
         encoded = [codec.encode(r) for r in results]
         for r, f in zip(results, encoded, strict=True):
@@ -206,7 +208,7 @@ class ResultWriter:
             out = keys.request_out(r.request_id)
             pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)  # also covers a result whose stream had no token chunk
-            _reply(pipe, r, f, rep, self._reply_minid())
+            _reply(pipe, r, f, rep, reply_minid)
         if results:
             await _execute(pipe, rep)
         metrics.observe_results(results, written)
@@ -214,13 +216,14 @@ class ResultWriter:
 
     async def _write_many_single(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
         minid = minid_for(self.now_ms(), self.retention_ms)
+        reply_minid = self._reply_minid()
         finishing = {r.request_id for r in results}
         last_chunk = {t.request_id: t for t in tokens if t.request_id in finishing}
         pipe = self.r.pipeline(transaction=False)
         rep: set[int] = set()
         for ev in tokens:
             f = codec.encode(ev)
-            _reply(pipe, ev, f, rep, self._reply_minid())  # the gateway's copy: every chunk, before any result
+            _reply(pipe, ev, f, rep, reply_minid)  # the gateway's copy: every chunk, before any result
             if ev.request_id in finishing:
                 continue  # goes out inside the finish script, right before the result
             out = keys.request_out(ev.request_id)
@@ -244,7 +247,7 @@ class ResultWriter:
                 client=pipe,
             )
         for r, f in zip(results, encoded, strict=True):
-            _reply(pipe, r, f, rep, self._reply_minid())
+            _reply(pipe, r, f, rep, reply_minid)
         replies = await _execute(pipe, rep)
         written = [bool(x) for x in replies[n_before:n_before + len(results)]]
         metrics.observe_results(results, written)
@@ -279,6 +282,7 @@ class ResultWriter:
         """Append token chunks to their clients' streams in one round trip."""
         if not events:
             return
+        reply_minid = self._reply_minid()
         pipe = self.r.pipeline(transaction=False)
         rep: set[int] = set()
         for ev in events:
@@ -286,7 +290,7 @@ class ResultWriter:
             f = codec.encode(ev)
             pipe.xadd(out, f)  # type: ignore[arg-type]
             pipe.expire(out, self.out_ttl_s)
-            _reply(pipe, ev, f, rep, self._reply_minid())
+            _reply(pipe, ev, f, rep, reply_minid)
         await _execute(pipe, rep)
 
 
