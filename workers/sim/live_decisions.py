@@ -202,7 +202,14 @@ HOST_RERUN = 1.3
 """A policy's run is replayed once when its engines' median step time over the profile is this many times the
 fastest run's: measured on this shared 2-core host, one run of the default (1,800 requests) had its engines at 1.29x
 the profile from its first minute (at 1-2 sequences, 7.9 ms a step against 4.1-5.4 ms in 12 other runs) and its
-P99 TTFT 2.1x its other run's, while the runs of a set otherwise stayed within 1.27x of each other."""
+P99 TTFT 2.1x its other run's, while the runs of a set otherwise stayed within 1.27x of each other. At most
+`MAX_RERUNS` runs are replayed (the most disturbed first), so that the tier's time stays bounded in `.ci/run`."""
+MAX_RERUNS = 1
+WARMUP_FRAC = 0.25
+"""The share of the trace replayed once, unmeasured and under round robin (its own salt), before the measured runs.
+The first measured run was the disturbed one in 2 of 4 sets (2026-12-06: the default, always first, at 1.13x and
+1.29x the profile's step times against 0.76-1.01x for the 8 later runs of those sets), so the engines' and the roles'
+first minutes of traffic (allocations, first shapes, caches) are spent on no policy's figures."""
 
 
 def _ranking(rows: dict[str, dict[str, float]]) -> list[str]:
@@ -347,6 +354,14 @@ def live_decisions(policies: list[str] | None = None, requests: int = 1800, load
                 ep.redis_url, t_run_ms, work / f"health-{pol}{suffix}.jsonl")
             return entry, raw_entry, [(e.routed_ms - e.arrival_ms) + (e.start_ms - e.batched_ms) for e in ok]
 
+        warm = base[: int(len(base) * WARMUP_FRAC)]
+        if warm:
+            _log(f"warm-up: {len(warm)} requests under round robin, not measured", progress)
+            wrows = salted(warm, "warmup")
+            wrun = DemoRun(config, ep.redis_url, ep.etcd_url, TRACE, len(wrows), 1.0, model, seed, progress=progress,
+                           rows=wrows, caps=[r.max_tokens for r in wrows], route_policy="round_robin",
+                           idle_timeout_s=300.0)
+            asyncio.run(wrun.run())
         for k, pol in enumerate(pols):
             _log(f"[{k + 1}/{len(pols)}] {pol}: replaying {len(base)} requests over {span_s:.1f} s", progress)
             live[pol], raw[pol], h = replay(pol, f"run-{k}-{pol}")
@@ -357,10 +372,12 @@ def live_decisions(policies: list[str] | None = None, requests: int = 1800, load
         # salt), the less disturbed of the two kept; both are reported
         speeds = [live[p]["host_slowdown"] for p in pols if live[p]["host_slowdown"]]
         fastest = min(speeds) if speeds else 0.0
-        for k, pol in enumerate(pols):
+        slowness = {p: live[p]["host_slowdown"] or 0.0 for p in pols}
+        disturbed = sorted((p for p in pols if fastest > 0 and slowness[p] > HOST_RERUN * fastest),
+                           key=lambda p: -slowness[p])
+        for pol in disturbed[:MAX_RERUNS]:
+            k = pols.index(pol)
             slow = live[pol]["host_slowdown"] or 0.0
-            if fastest <= 0 or slow <= HOST_RERUN * fastest:
-                continue
             _log(f"{pol}: its engines ran {slow / fastest:.2f}x the fastest run's step times (host interference); "
                  "replaying it once", progress)
             again, raw_again, h = replay(pol, f"run-{k}-{pol}-again")
