@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 
 
 def _children() -> set[str]:
-    """Command lines of this process's live children that are shims or SMG (a module fixture's shim included)."""
+    """Command lines of this process's live children that are shims, SMG or vLLM's router (a module fixture's shim
+    included)."""
     found = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -29,7 +30,8 @@ def _children() -> set[str]:
             cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and ("workers.bench.peer" in cmd or "smg" in cmd):
+        ours = any(x in cmd for x in ("workers.bench.peer", "smg", "vllm-router"))
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and ours:
             found.add(cmd)
     return found
 
@@ -128,4 +130,60 @@ def test_smg_and_its_shims_are_stopped_when_interrupted(smg: Path, monkeypatch: 
     monkeypatch.setattr(peer, "_measure", interrupted)
     with pytest.raises(KeyboardInterrupt):
         peer.bench_peer(clients=1, duration_s=0.5, repeats=1, progress=False)
+    assert _children() - before == set()
+
+
+def test_peer_names_take_a_comma_list_and_name_the_known_ones() -> None:
+    assert peer.peer_names("smg,vllm-router") == ["smg", "vllm-router"]
+    assert peer.peer_names(" vllm-router , smg,smg") == ["vllm-router", "smg"]
+    for bad in ("smgx", "smg,nope", ","):
+        with pytest.raises(ValueError, match="smg, vllm-router"):
+            peer.peer_names(bad)
+
+
+def test_an_unknown_peer_is_a_usage_error_not_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "bench", "gateway", "--peer", "smg,nginx"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "unknown peer nginx" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_peer_that_cannot_be_installed_is_one_line_and_the_rest_is_still_measured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """pip is really asked for a version of SMG that does not exist, in a scratch environment: the bench reports
+    that peer unavailable in one stderr line and still measures the bare endpoint (rackflow's own figures, measured
+    before the peers, are in `res` untouched)."""
+    from workers.bench.micro import _bench_peers
+
+    monkeypatch.setattr(peer, "PEERS_VENV", tmp_path / "peers")
+    monkeypatch.setitem(peer.PEER_SPECS, "smg", ("smg", "0.0.0.dev0"))
+    res: dict[str, Any] = {"rps": 123.0, "clients": 2, "duration_s": 0.5, "repeats": 1, "max_tokens": 4,
+                           "http_parser": "h11"}
+    failed = _bench_peers(res, ["smg"], progress=False)
+    err = capsys.readouterr().err
+    assert failed == ["smg"]
+    lines = [ln for ln in err.splitlines() if "unavailable" in ln]
+    assert len(lines) == 1 and lines[0].startswith("rackflow bench gateway: peer smg unavailable: could not install")
+    assert "Traceback" not in err
+    assert "smg==0.0.0.dev0" in res["peers"]["smg"]["unavailable"]
+    assert "peer" not in res  # no peer was measured
+    assert res["rps"] == 123.0 and res["bare"]["errors"] == 0 and res["bare"]["rps"] > 0
+
+
+def test_vllm_router_in_front_of_two_shims_measures_without_errors() -> None:
+    """vLLM's Rust router (`vllm-router`, installed into .venv-peers on first use) in front of two shims: skipped,
+    with pip's reason, where it cannot be installed within 2 minutes."""
+    try:
+        peer.ensure_peer("vllm-router", progress=False, timeout_s=120.0)
+    except peer.PeerUnavailable as e:
+        pytest.skip(f"vllm-router could not be installed: {e}")
+    before = _children()
+    res = peer.bench_peer(clients=4, duration_s=1.0, repeats=1, progress=False, peer="vllm-router")
+    assert res["name"] == f"vllm-router {peer.VLLM_ROUTER_VERSION}"
+    assert res["errors"] == 0, res["first_error"]
+    assert res["rps"] > 0 and res["streamed"] > 0
+    assert res["cpu_us_per_request"]["vllm-router"] > 0
     assert _children() - before == set()

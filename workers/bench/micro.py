@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -253,6 +254,7 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
     if args.what in ("pipeline", "batching", "kv", "failover", "gateway", "streams-capacity"):
         services = None
         tmp = None
+        failed: list[str] = []
         if endpoints is None:
             tmp = tempfile.TemporaryDirectory(prefix="rackflow-bench-")
             services = EmbeddedServices(Path(tmp.name))
@@ -276,15 +278,8 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
                                     duration_s=getattr(args, "duration_s", 12.0), repeats=args.repeats,
                                     progress=not args.no_progress, window_hold=getattr(args, "window_hold", False),
                                     http_parser=getattr(args, "http_parser", None))
-                if getattr(args, "peer", None) == "smg":
-                    from workers.bench.peer import bench_bare, bench_peer
-
-                    # the same load generator, clients, durations and repeats, one after the other in this run
-                    same = {"clients": res["clients"], "duration_s": res["duration_s"], "repeats": res["repeats"],
-                            "max_tokens": res["max_tokens"], "progress": not args.no_progress,
-                            "http": res["http_parser"]}  # the shims parse HTTP as the gateway does
-                    res["peer"] = bench_peer(**same)
-                    res["bare"] = bench_bare(**same)
+                if getattr(args, "peer", None):
+                    failed = _bench_peers(res, args.peer, progress=not args.no_progress)
             elif args.what == "streams-capacity":
                 from workers.bench.streams_capacity import bench_streams_capacity
 
@@ -304,7 +299,7 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
             if tmp is not None:
                 tmp.cleanup()
         _print(res, args.json)
-        return 0
+        return 1 if failed else 0
     if args.what in ("profile", "route"):
         if args.what == "profile":
             res = bench_profile(Path(args.config_dir), [Path(p) for p in args.config],
@@ -332,6 +327,35 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
             tmp.cleanup()
     _print(res, args.json)
     return 0
+
+
+def _bench_peers(res: dict[str, Any], peers: list[str], progress: bool) -> list[str]:
+    """Each peer of `--peer` beside rackflow's figures in `res`, then the bare HTTP endpoint, with the same load
+    generator, clients, durations and repeats, one after the other in this run. `res["peers"]` gets one entry per
+    peer; `res["peer"]` is the first one measured (the key the earlier single `--peer smg` wrote). A peer that
+    cannot be installed or started gets a one-line error on stderr and an `unavailable` entry, and the others (and
+    rackflow's figures, measured first) are still reported. Returns the names of the peers that failed."""
+    from workers.bench.peer import PeerUnavailable, bench_bare, bench_peer
+    from workers.local.supervise import ServiceError
+
+    same = {"clients": res["clients"], "duration_s": res["duration_s"], "repeats": res["repeats"],
+            "max_tokens": res["max_tokens"], "progress": progress,
+            "http": res["http_parser"]}  # the shims parse HTTP as the gateway does
+    res["peers"] = {}
+    failed = []
+    for name in peers:
+        try:
+            got = bench_peer(**same, peer=name)
+        except (PeerUnavailable, ServiceError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"rackflow bench gateway: peer {name} unavailable: {first}", file=sys.stderr, flush=True)
+            res["peers"][name] = {"name": name, "unavailable": str(e)}
+            failed.append(name)
+            continue
+        res["peers"][name] = got
+        res.setdefault("peer", got)
+    res["bare"] = bench_bare(**same)
+    return failed
 
 
 def _print(res: dict[str, Any], as_json: bool) -> None:

@@ -58,9 +58,16 @@ from workers.shell.runtime import run_async
 
 SMG_VERSION = "1.13.0"
 SMG_SPEC = f"smg=={SMG_VERSION}"
+VLLM_ROUTER_VERSION = "0.1.17"
+PEER_SPECS: dict[str, tuple[str, str]] = {
+    "smg": ("smg", SMG_VERSION),
+    "vllm-router": ("vllm-router", VLLM_ROUTER_VERSION),
+}
+"""The peer gateways `rackflow bench gateway --peer` runs, by name: (the PyPI package and its executable, the pinned
+version). Both are Rust routers shipped as wheels: SMG (`smg launch`) and vLLM's router (`vllm-router`)."""
 REPO = Path(__file__).resolve().parents[2]
 PEERS_VENV = REPO / ".venv-peers"
-"""Where `ensure_smg` installs SMG when this environment lacks it (git-ignored by its own .gitignore)."""
+"""Where `ensure_peer` installs a peer when this environment lacks it (git-ignored by its own .gitignore)."""
 FLOORS = REPO / "deploy" / "security" / "advisory-floors.txt"
 
 Parser = Literal["h11", "httptools"]
@@ -72,7 +79,18 @@ _NO_HTTPTOOLS = "uvicorn's httptools parser is not installed here (pip install h
 
 
 class PeerUnavailable(RackflowError, RuntimeError):
-    """A peer cannot run here: SMG could not be installed, or the HTTP parser asked for is not installed."""
+    """A peer cannot run here: it could not be installed, or the HTTP parser asked for is not installed."""
+
+
+def peer_names(text: str) -> list[str]:
+    """`smg,vllm-router` -> ["smg", "vllm-router"]: the peers of `--peer`, each once, in order; a ValueError that
+    names the known ones for any other."""
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [n for n in names if n not in PEER_SPECS]
+    if unknown or not names:
+        raise ValueError(f"unknown peer {', '.join(unknown) or repr(text)}: give a comma list of "
+                         f"{', '.join(PEER_SPECS)}")
+    return names
 
 
 # -- the zero-time engine shim ---------------------------------------------------------------------------------
@@ -222,6 +240,35 @@ class SmgProcess(_HttpProcess):
             return False
 
 
+class VllmRouterProcess(_HttpProcess):
+    """`vllm-router` (vLLM's Rust router) in front of `worker_urls`. It waits for every worker's /health before it
+    binds its port, so its own GET /health answering means the workers are registered."""
+
+    def __init__(self, exe: Path, worker_urls: Sequence[str], data_dir: Path, policy: str = "round_robin") -> None:
+        super().__init__("vllm-router", data_dir)
+        self.exe = exe
+        self.worker_urls = tuple(worker_urls)
+        self.policy = policy
+        self.metrics_port = free_port()
+
+    def _repick_ports(self) -> None:
+        super()._repick_ports()
+        self.metrics_port = free_port()
+
+    def _argv(self) -> list[str]:
+        return [
+            str(self.exe), "--host", LOOPBACK, "--port", str(self.port),
+            "--worker-urls", *self.worker_urls, "--policy", self.policy,
+            "--prometheus-host", LOOPBACK, "--prometheus-port", str(self.metrics_port),
+            "--log-level", "warning",
+            # its admission queue holds 100 by default and its concurrency cap is its own: the bench's clients
+            # (32 by default) stay under both
+        ]
+
+    def healthy(self) -> bool:
+        return _get_ok(f"{self.url}/health") is not None
+
+
 @contextlib.contextmanager
 def _running(procs: Sequence[_HttpProcess]) -> Iterator[None]:
     """Start `procs` in order, each healthy before the next; stop them all (reverse order) however the block ends,
@@ -242,61 +289,70 @@ def _check_alive(procs: Sequence[_HttpProcess]) -> None:
         raise RuntimeError(f"died during the benchmark: {', '.join(p.service for p in dead)}\n{tails}")
 
 
-# -- SMG ---------------------------------------------------------------------------------------------------------
+# -- installing a peer ---------------------------------------------------------------------------------------
 
-def _smg_here() -> Path | None:
-    """SMG at the pinned version in this environment (the `peers` extra), else None."""
+def _peer_here(name: str) -> Path | None:
+    """Peer `name` at its pinned version in this environment (the `peers` extra), else None."""
+    package, version = PEER_SPECS[name]
     try:
-        if importlib.metadata.version("smg") != SMG_VERSION:
+        if importlib.metadata.version(package) != version:
             return None
     except importlib.metadata.PackageNotFoundError:
         return None
-    exe = Path(sys.executable).parent / "smg"
+    exe = Path(sys.executable).parent / package
     return exe if exe.exists() else None
 
 
-def ensure_smg(progress: bool = True, timeout_s: float = 600.0) -> Path:
-    """The `smg` executable: this environment's (`pip install -e '.[peers]'`), else the one in `.venv-peers`,
-    which is created with SMG installed on the first call (pip, from the registry: 5 to 60 s here) and reused
-    after. Raises PeerUnavailable, with pip's output, when it cannot be installed within `timeout_s`."""
-    here = _smg_here()
+def ensure_peer(name: str, progress: bool = True, timeout_s: float = 600.0) -> Path:
+    """The executable of peer `name` (`PEER_SPECS`): this environment's (`pip install -e '.[peers]'`), else the one
+    in `.venv-peers`, which is created and given the peer on first use (pip, from the registry: 5 to 60 s here)
+    and reused after. Raises PeerUnavailable, with pip's output, when it cannot be installed within `timeout_s`."""
+    here = _peer_here(name)
     if here is not None:
         return here
-    exe = PEERS_VENV / "bin" / "smg"
-    stamp = PEERS_VENV / ".installed"
+    package, version = PEER_SPECS[name]
+    spec = f"{package}=={version}"
+    exe = PEERS_VENV / "bin" / package
+    stamp = PEERS_VENV / f".installed-{package}"
     PEERS_VENV.mkdir(exist_ok=True)
     (PEERS_VENV / ".gitignore").write_text("*\n")  # a scratch environment, never committed
     with (PEERS_VENV / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two benchmarks starting at once install it once
-        if exe.exists() and stamp.exists() and stamp.read_text().strip() == SMG_SPEC:
+        if exe.exists() and stamp.exists() and stamp.read_text().strip() == spec:
             return exe
         if progress:
-            print(f"installing {SMG_SPEC} into {PEERS_VENV} (once: the peer benchmarks' own environment, not a "
+            print(f"installing {spec} into {PEERS_VENV} (once: the peer benchmarks' own environment, not a "
                   "dependency of rackflow)...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         python = PEERS_VENV / "bin" / "python"
         # the advisory floors hold here as in .venv (the Makefile installs with them): no dependency below them
         floors = ["-c", str(FLOORS)] if FLOORS.exists() else []
-        steps = [[sys.executable, "-m", "venv", str(PEERS_VENV)],
-                 [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *floors, SMG_SPEC]]
+        steps = [[str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *floors, spec]]
+        if not python.exists():
+            steps.insert(0, [sys.executable, "-m", "venv", str(PEERS_VENV)])
         for argv in steps:
             try:
                 done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
                                       timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired as e:
-                raise PeerUnavailable(f"could not install {SMG_SPEC} into {PEERS_VENV}: `{' '.join(argv)}` did not "
+                raise PeerUnavailable(f"could not install {spec} into {PEERS_VENV}: `{' '.join(argv)}` did not "
                                       f"finish within {timeout_s:.0f}s") from e
             if done.returncode != 0:
                 out = (done.stdout + done.stderr).strip().splitlines()[-20:]
-                raise PeerUnavailable(f"could not install {SMG_SPEC} into {PEERS_VENV}: `{' '.join(argv)}` exited "
+                raise PeerUnavailable(f"could not install {spec} into {PEERS_VENV}: `{' '.join(argv)}` exited "
                                       f"with {done.returncode}:\n" + "\n".join(out))
         if not exe.exists():
-            raise PeerUnavailable(f"{SMG_SPEC} installed into {PEERS_VENV}, but {exe} is missing")
-        stamp.write_text(SMG_SPEC + "\n")
+            raise PeerUnavailable(f"{spec} installed into {PEERS_VENV}, but {exe} is missing")
+        stamp.write_text(spec + "\n")
         if progress:
-            print(f"installed {SMG_SPEC} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+            print(f"installed {spec} in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
         return exe
+
+
+def ensure_smg(progress: bool = True, timeout_s: float = 600.0) -> Path:
+    """`ensure_peer("smg")`."""
+    return ensure_peer("smg", progress, timeout_s)
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
@@ -381,23 +437,28 @@ def _result(name: str, runs: list[dict[str, Any]], clients: int, duration_s: flo
 
 def bench_peer(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max_tokens: int = 8,
                stream_every: int = 5, progress: bool = True, http: Parser = "httptools",
-               policy: str = "round_robin") -> dict[str, Any]:
-    """SMG in front of 2 zero-time shim engines (uvicorn with the `http` parser), under `closed_loop`. When
-    httptools is asked for and not installed, the result says so (`unavailable`) instead of failing."""
-    name = f"smg {SMG_VERSION}"
+               policy: str = "round_robin", peer: str = "smg") -> dict[str, Any]:
+    """Peer gateway `peer` (`PEER_SPECS`: SMG or vLLM's router) in front of 2 zero-time shim engines (uvicorn with
+    the `http` parser), under `closed_loop`. When httptools is asked for and not installed, the result says so
+    (`unavailable`) instead of failing; a peer that cannot be installed raises PeerUnavailable."""
+    package, version = PEER_SPECS[peer]
+    name = f"{peer} {version}"
     if http == "httptools" and not httptools_installed():
         return {"name": name, "http": http, "unavailable": _NO_HTTPTOOLS}
-    smg = ensure_smg(progress)
+    exe = ensure_peer(peer, progress)
     with tempfile.TemporaryDirectory(prefix="rackflow-peer-") as tmp:
         shims = [ShimProcess(f"shim{i}", Path(tmp), http) for i in range(2)]
         with _running(shims):
-            gateway = SmgProcess(smg, [s.url for s in shims], Path(tmp), policy)  # the ports the shims bound
+            urls = [s.url for s in shims]  # the ports the shims bound
+            gateway: _HttpProcess = (SmgProcess(exe, urls, Path(tmp), policy) if peer == "smg"
+                                     else VllmRouterProcess(exe, urls, Path(tmp), policy))
             with _running([gateway]):
-                runs = _measure(gateway.url, {"smg": [gateway], "shims": shims}, clients, duration_s, repeats,
+                runs = _measure(gateway.url, {peer: [gateway], "shims": shims}, clients, duration_s, repeats,
                                 max_tokens, stream_every, f"bench {name}", progress)
                 _check_alive([*shims, gateway])
+    launch = "smg launch" if peer == "smg" else package
     return _result(name, runs, clients, duration_s, repeats, max_tokens, stream_every, http=http,
-                   setup=f"smg launch --policy {policy} -> 2 zero-time shims (FastAPI on uvicorn, {http})")
+                   setup=f"{launch} --policy {policy} -> 2 zero-time shims (FastAPI on uvicorn, {http})")
 
 
 def bench_bare(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max_tokens: int = 8,
@@ -427,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--host", default=LOOPBACK)
     s.add_argument("--http", choices=PARSERS, default="httptools", help="uvicorn's HTTP/1.1 parser")
     b = sub.add_parser("bench", help="measure peers and print their figures as JSON")
-    b.add_argument("--peer", choices=["smg", "bare"], action="append",
+    b.add_argument("--peer", choices=[*PEER_SPECS, "bare"], action="append",
                    help="what to measure (repeatable; default: smg and bare)")
     b.add_argument("--http", choices=PARSERS, action="append",
                    help="the shims' parser (repeatable; default: both, httptools reported unavailable where it is "
@@ -449,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kw: dict[str, Any] = {"clients": args.clients, "duration_s": args.duration, "repeats": args.repeats,
                                       "max_tokens": args.max_tokens, "stream_every": args.stream_every,
                                       "progress": not args.no_progress, "http": http}
-                results.append(bench_bare(**kw) if peer == "bare" else bench_peer(**kw))
+                results.append(bench_bare(**kw) if peer == "bare" else bench_peer(**kw, peer=peer))
         print(json.dumps(results, indent=2))
         return 0
     except (PeerUnavailable, ServiceError) as e:

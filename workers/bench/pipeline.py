@@ -259,7 +259,21 @@ def bench_pipeline(redis_url: str, etcd_url: str, requests: int = 20_000, progre
         # service time (both workers summed under `worker`; `valkey` from its INFO cpu)
         "cpu_ms_per_request": {k: round(statistics.median(v), 4) for k, v in sorted(cpu_ms.items())},
         "cpu_ms_per_request_runs": {k: [round(x, 4) for x in v] for k, v in sorted(cpu_ms.items())},
+        # the same in µs, with the control plane's total (every role plus Valkey), as `bench gateway` gives it: the
+        # total is the median over the runs of each run's sum, not the sum of the roles' medians
+        "cpu_us_per_request": cpu_us_per_request(cpu_ms),
     }
+
+
+def cpu_us_per_request(cpu_ms: dict[str, list[float]]) -> dict[str, float]:
+    """Each role's median CPU µs per request over the runs, and `control_plane`: the median of the runs' totals."""
+    if not cpu_ms:
+        return {}
+    out = {k: round(statistics.median(v) * 1000.0, 1) for k, v in sorted(cpu_ms.items())}
+    runs = min(len(v) for v in cpu_ms.values())
+    out["control_plane"] = round(statistics.median(sum(v[i] for v in cpu_ms.values()) for i in range(runs)) * 1000.0,
+                                 1)
+    return out
 
 
 def bench_batching(redis_url: str, etcd_url: str, requests: int = 1500, speedup: float = 10.0,

@@ -36,6 +36,15 @@ def _bench_engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peer_list(text: str) -> list[str]:
+    from workers.bench.peer import peer_names
+
+    try:
+        return peer_names(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from workers.bench.micro import run_bench
 
@@ -112,10 +121,11 @@ def _flags() -> dict[str, dict[str, Any]]:
         default=12.0,
         help="gateway: seconds per measured run (3 runs)"),
     "--peer": dict(
-        choices=["smg"],
+        type=_peer_list,
         default=None,
-        help="gateway: also run this peer gateway (SMG, a Rust gateway, installed on first use into "
-                 ".venv-peers) and the bare HTTP endpoint, in the same run with the same load generator"),
+        help="gateway: also run these peer gateways, a comma list of smg and vllm-router (Rust gateways, "
+                 "installed on first use into .venv-peers), and the bare HTTP endpoint, in the same run with the "
+                 "same load generator; a peer that cannot be installed is reported and the rest still measured"),
     "--http-parser": dict(
         choices=["httptools", "h11"],
         default=None,
