@@ -1,4 +1,4 @@
-"""`rackflow bench streams|profile|route|pipeline|batching|kv|failover|gateway|streams-capacity|soak|engines`: the
+"""`rackflow bench streams|profile|route|pipeline|batching|kv|failover|gateway|streams-capacity|soak|idle|engines`: the
 benchmarks (`workers/bench/`), medians and ratios measured side by side; `engines` re-runs itself in .venv-vllm;
 `soak` starts its own durable services unless given `--redis-url` (then it cannot restart Valkey, and says so)."""
 
@@ -60,6 +60,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # a soak that lost, doubled or failed a request, or whose roles died unasked, fails the command
         return 0 if res["lost"] == res["duplicates"] == res["client_errors"] == 0 and \
             not res["unexpected_exits"] else 1
+
+    if args.what == "idle":
+        from workers.bench.idle import bench_idle
+        from workers.bench.micro import _print
+        from workers.cli.common import config_of
+        from workers.local.cluster import config_args
+
+        res = bench_idle(config_of(args), config_args(args), seconds=args.idle_s,
+                         progress=not args.no_progress)
+        _print(res, args.json)
+        return 0
 
     if args.what == "fuzz":
         from workers.bench.fuzz import bench_fuzz
@@ -142,6 +153,10 @@ def _flags() -> dict[str, dict[str, Any]]:
         type=int,
         default=32,
         help="streams-capacity: max_tokens of each stream"),
+    "--idle-s": dict(
+        type=float,
+        default=30.0,
+        help="idle: seconds measured while nothing is sent (after 10 s of settling)"),
     "--minutes": dict(
         type=float,
         default=20.0,
@@ -165,6 +180,8 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
                 ["--clients", "--duration-s", "--repeats", "--peer", "--http-parser", "--window-hold", *OUT]),
     "streams-capacity": ("concurrent streaming requests one gateway holds", ["--streams", "--stream-tokens", *OUT]),
     "soak": ("load through rackflow up with roles killed and servers restarted", ["--minutes", *OUT]),
+    "idle": ("CPU of an idle `rackflow up` cluster (every role, Valkey, etcd; Celery and Flower apart)",
+             ["--idle-s", *OUT]),
     "fuzz": ("rackflow up under malformed and hostile HTTP: 5xx, crashed roles and leaked keys counted",
              ["--fuzz-requests", "--streamed", "--concurrency", "--seed", *OUT]),
     "engines": ("the torch and vLLM engines' throughput on one checkpoint",
