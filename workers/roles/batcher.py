@@ -33,6 +33,10 @@ from workers.stores.results import ResultWriter, error_result
 
 log = logging.getLogger(__name__)
 
+IDLE_WAKE_S = 2.0
+"""While the window is empty the tick and room loops wait for an arrival (which wakes them at once), waking on their
+own only this often: an idle batcher does not poll."""
+
 
 class Batcher:
     def __init__(self, config: RackflowConfig, rack: str, redis_url: str, etcd_url: str) -> None:
@@ -57,7 +61,7 @@ class Batcher:
         self.results = ResultWriter(self.r, WALL.now_ms, retention_ms, out_ttl_s=pol.streams.output_ttl_s)
         self.consumer = StreamConsumer(
             self.r, keys.rack_requests(rack), keys.GROUP_BATCHER, self.actor,
-            self._on_requests, now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=50,
+            self._on_requests, now_ms=WALL.now_ms, count=pol.streams.read_count, block_ms=pol.streams.block_ms,
             claim_idle_ms=pol.streams.claim_idle_ms, max_deliveries=pol.streams.max_deliveries,
             retention_ms=retention_ms, accepts=(RequestEvent,),
         )
@@ -198,7 +202,8 @@ class Batcher:
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         """A close is tried at once when requests arrive; while requests wait, every 10 ms (a node's room or the
-        window's end may come at any time); while the window is empty, not at all (it costs nothing idle)."""
+        window's end may come at any time); while the window is empty, only when requests arrive (and every
+        `IDLE_WAKE_S` as a backstop: it costs nothing idle)."""
         while not stop.is_set():
             reason = CloseReason.NOT_YET
             self._arrived.clear()  # before the tick: an arrival during it wakes the next one at once
@@ -208,7 +213,7 @@ class Batcher:
                 log.exception("rack %s: window tick failed", self.rack)
             idle = reason is CloseReason.EMPTY and not self._to_ack and not self.window.pending_count
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=0.5 if idle else 0.01)
+                await asyncio.wait_for(self._arrived.wait(), timeout=IDLE_WAKE_S if idle else 0.01)
             except TimeoutError:
                 pass
 
@@ -246,7 +251,7 @@ class Batcher:
                 self._arrived_room.clear()
                 interval = fast
                 try:
-                    await asyncio.wait_for(self._arrived_room.wait(), timeout=0.5)
+                    await asyncio.wait_for(self._arrived_room.wait(), timeout=IDLE_WAKE_S)
                 except TimeoutError:
                     pass
                 continue

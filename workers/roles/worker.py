@@ -58,6 +58,10 @@ from workers.stores.prefix_feed import BLOCK_STREAM_MAXLEN
 from workers.stores.results import ResultWriter
 
 log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = (0.2, 2.0)
+"""The idle engine loop's wait for work (a batch or a release wakes it at once): 0.2 s after the last step (vLLM's
+KV events of that step arrive a moment later and are published then), doubling to 2 s while it stays idle."""
 OUTAGE_S = 120.0
 """How long the engine loop keeps retrying its Redis writes through an outage before it gives up."""
 OUTAGE_BACKOFF = ExponentialBackoff(base=0.1, cap=2.0)
@@ -488,6 +492,7 @@ class Worker:
     async def _engine_loop(self, stop: asyncio.Event) -> None:
         flush_ms = self.config.policies.worker.token_flush_ms
         last_flush = WALL.now_ms()
+        idle_wait = IDLE_WAIT_S[0]
         while True:
             await self._run_releases()
             if not self.engine.has_work():
@@ -499,10 +504,12 @@ class Worker:
                 await self._publish_blocks()
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.2)
-                except TimeoutError:
-                    pass
+                    await asyncio.wait_for(self._wake.wait(), timeout=idle_wait)
+                    idle_wait = IDLE_WAIT_S[0]
+                except TimeoutError:  # still idle: the late events are in; wake less often (a batch wakes it)
+                    idle_wait = min(IDLE_WAIT_S[1], idle_wait * 2)
                 continue
+            idle_wait = IDLE_WAIT_S[0]
             out = await self.engine.step()
             await self._publish_blocks()
             self._m_steps.inc()

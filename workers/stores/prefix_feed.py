@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from pipeline.events import BlockEvent
 from pipeline.routing.prefix_index import BlockIndex, apply_block_event
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 DEAD_LETTER_ONCE_S = 86_400
 """How long the marker that a block entry was dead-lettered (by one of its readers) is kept."""
+IDLE_BLOCK_MS = 1000
+"""How long an idle feed's blocking read waits before it reads again (a stop is seen within this)."""
 BLOCK_STREAM_MAXLEN = 200_000
 """Entries kept per rack's block stream (approximate trim): the history a restarted reader rebuilds from."""
 
@@ -58,6 +61,18 @@ class PrefixFeed:
         for key, last in self._last.items():
             got = await self.r.xread({key: last}, count=count)
             resp.extend(got or [])
+        return await self._apply(resp)
+
+    async def wait_new(self, block_ms: int, count: int = 1000) -> int:
+        """Block until a block event arrives on any of the streams (at most `block_ms`), and apply what came; returns
+        how many were applied. One XREAD BLOCK over every stream on a single server. A cluster client cannot block
+        on keys of several slots in one call: with more than one stream it reads each once, without blocking."""
+        if len(self._last) > 1 and isinstance(self.r, RedisCluster):
+            return await self.poll(count)
+        got = await self.r.xread(dict(self._last), count=count, block=block_ms)
+        return await self._apply(got or [])
+
+    async def _apply(self, resp: list[Any]) -> int:
         n = 0
         for stream, entries in resp:
             name = stream.decode() if isinstance(stream, bytes) else stream
@@ -87,17 +102,28 @@ class PrefixFeed:
             self.dead_lettered += 1
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Apply the streams' events as they come: a blocking read while nothing is new (an idle feed wakes every
+        `IDLE_BLOCK_MS`, not 20 times a second), straight reads while they keep coming. On a cluster client with
+        several streams, where a read cannot block on all of them, the pause between empty reads doubles from 50 ms
+        up to `IDLE_BLOCK_MS`."""
+        pause = 0.0  # 0: events are flowing, read again at once
         while not stop.is_set():
-            pause = 0.05
             try:
-                if await self.poll():
+                blocking = len(self._last) == 1 or not isinstance(self.r, RedisCluster)
+                got = await (self.wait_new(IDLE_BLOCK_MS) if pause and blocking else self.poll())
+                if got:
                     pause = 0.0
+                    continue
+                if blocking:  # nothing new: the next read blocks until something is
+                    pause = 0.05
+                    continue
+                pause = min(IDLE_BLOCK_MS / 1000.0, max(0.05, pause * 2))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a Valkey outage: the index keeps what it has and catches up after
                 log.warning("prefix feed: %s", e)
                 pause = 0.5
             try:
-                await asyncio.wait_for(stop.wait(), timeout=pause or 0.001)
+                await asyncio.wait_for(stop.wait(), timeout=pause)
             except TimeoutError:
                 pass
