@@ -36,11 +36,18 @@ def _children() -> set[str]:
     return found
 
 
-@pytest.fixture(scope="module", params=peer.PARSERS)
+STACKS = [("h11", "uvicorn", "fastapi"), ("httptools", "uvicorn", "fastapi"), ("httptools", "uvicorn", "asgi"),
+          ("h11", "granian", "fastapi"), ("h11", "granian", "asgi")]
+"""(uvicorn's parser, the server, the app) of each shim the tests run: FastAPI and the bare ASGI callable, on uvicorn
+and on granian (which parses HTTP itself)."""
+
+
+@pytest.fixture(scope="module", params=STACKS, ids=["-".join(s) for s in STACKS])
 def shim(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[peer.ShimProcess]:
-    if request.param == "httptools" and not peer.httptools_installed():
+    http, server, app = request.param
+    if server == "uvicorn" and http == "httptools" and not peer.httptools_installed():
         pytest.skip(peer._NO_HTTPTOOLS)
-    proc = peer.ShimProcess("shim", tmp_path_factory.mktemp("shim"), request.param)
+    proc = peer.ShimProcess("shim", tmp_path_factory.mktemp("shim"), http, server, app)
     with peer._running([proc]):
         yield proc
 

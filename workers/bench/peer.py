@@ -52,7 +52,8 @@ from tqdm import tqdm
 
 from pipeline.errors import RackflowError
 from pipeline.stats import percentile
-from workers.bench.gateway import MODEL, Outcome, process_cpu_s, shown_closed_loop, summarize
+from workers.bench.gateway import MODEL, Outcome, shown_closed_loop, summarize
+from workers.bench.idle import tree_cpu_s
 from workers.local.supervise import LOOPBACK, ServiceError, _log_tail, _ServerProcess, free_port
 from workers.shell.runtime import run_async
 
@@ -145,12 +146,100 @@ def shim_app() -> FastAPI:
     return app
 
 
-def serve_shim(port: int, http: Parser = "httptools", host: str = LOOPBACK) -> None:
-    """Run the shim until SIGTERM/SIGINT (uvicorn on uvloop, as the gateway runs)."""
+def shim_asgi() -> Any:
+    """The same zero-time engine as `shim_app`, as a bare ASGI callable (no framework): what a thin handler costs,
+    against FastAPI/Starlette, under the same server."""
+    ids = itertools.count()
+    pid = os.getpid()
+    models = json.dumps({"object": "list", "data": [
+        {"id": MODEL, "object": "model", "created": 0, "owned_by": "rackflow-shim"}]}).encode()
+    json_h = [(b"content-type", b"application/json")]
+    sse_h = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    async def reply(send: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/health":
+            return await reply(send, 200, [], b"")
+        if method == "GET" and path == "/v1/models":
+            return await reply(send, 200, json_h, models)
+        if method != "POST" or path != "/v1/completions":
+            return await reply(send, 404, json_h, b'{"error": {"message": "not found"}}')
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        try:
+            body = json.loads(raw)
+            n = int(body.get("max_tokens") or 16)
+            model = str(body.get("model") or MODEL)
+        except (ValueError, TypeError, AttributeError) as e:
+            err = json.dumps({"error": {"message": f"bad request: {e}", "code": "invalid_request"}}).encode()
+            return await reply(send, 400, json_h, err)
+        rid = f"cmpl-{pid}-{next(ids)}"
+        created = int(time.time())
+
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        if not body.get("stream"):
+            out = choice(TOKEN * n, "length")
+            out["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            return await reply(send, 200, json_h, json.dumps(out).encode())
+        token = f"data: {json.dumps(choice(TOKEN, None))}\n\n".encode()
+        last = f"data: {json.dumps(choice('', 'length'))}\n\ndata: [DONE]\n\n".encode()
+        await send({"type": "http.response.start", "status": 200, "headers": sse_h})
+        for _ in range(n):
+            await send({"type": "http.response.body", "body": token, "more_body": True})
+        await send({"type": "http.response.body", "body": last})
+
+    return app
+
+
+Server = Literal["uvicorn", "granian"]
+SERVERS: tuple[Server, ...] = ("uvicorn", "granian")
+App = Literal["fastapi", "asgi"]
+APPS: tuple[App, ...] = ("fastapi", "asgi")
+_NO_GRANIAN = "granian (a Rust HTTP server for Python) is not installed here: pip install -e '.[peers]'"
+
+
+def granian_installed() -> bool:
+    return importlib.util.find_spec("granian") is not None
+
+
+def serve_shim(port: int, http: Parser = "httptools", host: str = LOOPBACK, server: Server = "uvicorn",
+               app: App = "fastapi") -> None:
+    """Run the shim (`app`: FastAPI, or the bare ASGI callable) until SIGTERM/SIGINT, on uvicorn (uvloop and the
+    `http` parser, as the gateway runs) or on granian (its Rust HTTP/1.1 stack, one worker, the ASGI interface)."""
+    if server == "granian":
+        if not granian_installed():
+            raise PeerUnavailable(_NO_GRANIAN)
+        from granian import Granian
+        from granian.constants import HTTPModes, Interfaces
+
+        target = "workers.bench.peer:shim_app" if app == "fastapi" else "workers.bench.peer:shim_asgi"
+        Granian(target, address=host, port=port, interface=Interfaces.ASGI, workers=1, http=HTTPModes.http1,
+                factory=True, log_access=False).serve()
+        return
     if http == "httptools" and not httptools_installed():
         raise PeerUnavailable(_NO_HTTPTOOLS)
-    uvicorn.run(shim_app(), host=host, port=port, http=http, loop="auto", log_level="warning", access_log=False,
-                server_header=False, date_header=False)
+    uvicorn.run(shim_app() if app == "fastapi" else shim_asgi(), host=host, port=port, http=http, loop="auto",
+                log_level="warning", access_log=False, server_header=False, date_header=False)
 
 
 def httptools_installed() -> bool:
@@ -191,12 +280,16 @@ class _HttpProcess(_ServerProcess):
 class ShimProcess(_HttpProcess):
     """`python -m workers.bench.peer shim`, healthy once GET /health answers."""
 
-    def __init__(self, name: str, data_dir: Path, http: Parser = "httptools") -> None:
+    def __init__(self, name: str, data_dir: Path, http: Parser = "httptools", server: Server = "uvicorn",
+                 app: App = "fastapi") -> None:
         super().__init__(name, data_dir)
         self.http = http
+        self.server = server
+        self.app = app
 
     def _argv(self) -> list[str]:
-        return [sys.executable, "-m", "workers.bench.peer", "shim", "--port", str(self.port), "--http", self.http]
+        return [sys.executable, "-m", "workers.bench.peer", "shim", "--port", str(self.port), "--http", self.http,
+                "--server", self.server, "--app", self.app]
 
     def healthy(self) -> bool:
         return _get_ok(f"{self.url}/health") is not None
@@ -358,8 +451,9 @@ def ensure_smg(progress: bool = True, timeout_s: float = 600.0) -> Path:
 # -- measuring ---------------------------------------------------------------------------------------------------
 
 def _cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system, all threads) that process `pid` has used so far; 0.0 when it is gone."""
-    return (process_cpu_s(pid) or 0.0) if pid is not None else 0.0
+    """CPU seconds (user + system, all threads) that process `pid` and its live children (granian's worker) have
+    used so far; 0.0 when it is gone."""
+    return tree_cpu_s(pid) if pid is not None else 0.0
 
 
 def _cpu_by_role(roles: dict[str, Sequence[_HttpProcess]]) -> dict[str, float]:
@@ -462,20 +556,25 @@ def bench_peer(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max
 
 
 def bench_bare(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max_tokens: int = 8,
-               stream_every: int = 5, progress: bool = True, http: Parser = "httptools") -> dict[str, Any]:
-    """One zero-time shim, no gateway: the ceiling of FastAPI on uvicorn (parser `http`) on this machine. When
-    httptools is asked for and not installed, the result says so (`unavailable`) instead of failing."""
-    name = f"bare FastAPI (uvicorn, {http})"
-    if http == "httptools" and not httptools_installed():
+               stream_every: int = 5, progress: bool = True, http: Parser = "httptools", server: Server = "uvicorn",
+               app: App = "fastapi") -> dict[str, Any]:
+    """One zero-time shim, no gateway: the ceiling of an HTTP stack on this machine: `app` (FastAPI, or a bare ASGI
+    callable) on `server` (uvicorn with the parser `http`, or granian's Rust HTTP/1.1). When httptools or granian
+    is asked for and not installed, the result says so (`unavailable`) instead of failing."""
+    stack = f"uvicorn, {http}" if server == "uvicorn" else "granian"
+    name = f"bare {'FastAPI' if app == 'fastapi' else 'ASGI'} ({stack})"
+    if server == "uvicorn" and http == "httptools" and not httptools_installed():
         return {"name": name, "http": http, "unavailable": _NO_HTTPTOOLS}
+    if server == "granian" and not granian_installed():
+        return {"name": name, "http": http, "unavailable": _NO_GRANIAN}
     with tempfile.TemporaryDirectory(prefix="rackflow-peer-") as tmp:
-        shim = ShimProcess("shim", Path(tmp), http)
+        shim = ShimProcess("shim", Path(tmp), http, server, app)
         with _running([shim]):
             runs = _measure(shim.url, {"shim": [shim]}, clients, duration_s, repeats, max_tokens, stream_every,
                             f"bench {name}", progress)
             _check_alive([shim])
-    return _result(name, runs, clients, duration_s, repeats, max_tokens, stream_every, http=http,
-                   setup=f"1 zero-time shim (FastAPI on uvicorn, {http}), no gateway")
+    return _result(name, runs, clients, duration_s, repeats, max_tokens, stream_every, http=http, server=server,
+                   app=app, setup=f"1 zero-time shim ({name.removeprefix('bare ')}), no gateway")
 
 
 # -- command line ------------------------------------------------------------------------------------------------
@@ -487,12 +586,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--host", default=LOOPBACK)
     s.add_argument("--http", choices=PARSERS, default="httptools", help="uvicorn's HTTP/1.1 parser")
+    s.add_argument("--server", choices=SERVERS, default="uvicorn", help="the HTTP server")
+    s.add_argument("--app", choices=APPS, default="fastapi", help="FastAPI, or the bare ASGI callable")
     b = sub.add_parser("bench", help="measure peers and print their figures as JSON")
     b.add_argument("--peer", choices=[*PEER_SPECS, "bare"], action="append",
                    help="what to measure (repeatable; default: smg and bare)")
     b.add_argument("--http", choices=PARSERS, action="append",
                    help="the shims' parser (repeatable; default: both, httptools reported unavailable where it is "
                         "not installed)")
+    b.add_argument("--server", choices=SERVERS, action="append",
+                   help="bare: the HTTP server (repeatable; default: uvicorn)")
+    b.add_argument("--app", choices=APPS, action="append",
+                   help="bare: FastAPI or the bare ASGI callable (repeatable; default: fastapi)")
     b.add_argument("--clients", type=int, default=32)
     b.add_argument("--duration", type=float, default=8.0, help="seconds per run")
     b.add_argument("--repeats", type=int, default=3)
@@ -502,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "shim":
-            serve_shim(args.port, args.http, args.host)
+            serve_shim(args.port, args.http, args.host, args.server, args.app)
             return 0
         results = []
         for peer in args.peer or ["smg", "bare"]:
@@ -510,7 +615,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 kw: dict[str, Any] = {"clients": args.clients, "duration_s": args.duration, "repeats": args.repeats,
                                       "max_tokens": args.max_tokens, "stream_every": args.stream_every,
                                       "progress": not args.no_progress, "http": http}
-                results.append(bench_bare(**kw) if peer == "bare" else bench_peer(**kw, peer=peer))
+                if peer != "bare":
+                    results.append(bench_peer(**kw, peer=peer))
+                    continue
+                for server in args.server or ["uvicorn"]:
+                    for app in args.app or ["fastapi"]:
+                        if server == "granian" and http != (args.http or list(PARSERS))[0]:
+                            continue  # granian has its own parser: once, whatever uvicorn's
+                        results.append(bench_bare(**kw, server=server, app=app))
         print(json.dumps(results, indent=2))
         return 0
     except (PeerUnavailable, ServiceError) as e:
