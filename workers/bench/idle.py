@@ -28,8 +28,8 @@ APART = ("celery", "flower")
 """Roles reported apart from `idle_cpu_pct`: the Celery worker and Flower."""
 
 
-def _children(pid: int) -> list[int]:
-    """Every live descendant of `pid` (Linux /proc)."""
+def _process_tree() -> dict[int, list[int]]:
+    """Each live process's children (Linux /proc), read once."""
     kids: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -37,17 +37,24 @@ def _children(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         kids.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = [], list(kids.get(pid, []))
+    return kids
+
+
+def tree_cpu_s(pid: int, kids: dict[int, list[int]] | None = None) -> float:
+    """CPU seconds used so far by `pid` and its live descendants (a child that exited since is not counted);
+    `kids`: a `_process_tree()` to reuse across several pids."""
+    kids = _process_tree() if kids is None else kids
+    total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
-        out.append(p)
+        total += process_cpu_s(p) or 0.0
         todo += kids.get(p, [])
-    return out
+    return total
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by `pid` and its live descendants (a child that exited since is not counted)."""
-    return sum(process_cpu_s(p) or 0.0 for p in (pid, *_children(pid)))
+def _cpu_snapshot(pids: dict[str, tuple[str, int]]) -> dict[str, float]:
+    kids = _process_tree()
+    return {n: tree_cpu_s(pid, kids) for n, (_r, pid) in pids.items()}
 
 
 def bench_idle(config: RackflowConfig, role_args: list[str], seconds: float = 30.0, settle_s: float = 10.0,
@@ -77,12 +84,12 @@ def bench_idle(config: RackflowConfig, role_args: list[str], seconds: float = 30
                 time.sleep(1.0)
                 bar.update(1)
             bar.set_postfix_str("measuring", refresh=False)
-            cpu0 = {n: tree_cpu_s(pid) for n, (_r, pid) in pids.items()}
+            cpu0 = _cpu_snapshot(pids)
             t0 = time.monotonic()
             for _ in range(round(seconds)):
                 time.sleep(1.0)
                 bar.update(1)
-            cpu1 = {n: tree_cpu_s(pid) for n, (_r, pid) in pids.items()}
+            cpu1 = _cpu_snapshot(pids)
             window = time.monotonic() - t0
             bar.close()
             dead = [p.name for p in procs.dead()]
@@ -92,12 +99,14 @@ def bench_idle(config: RackflowConfig, role_args: list[str], seconds: float = 30
     if dead:
         raise RuntimeError(f"role processes died while idle: {', '.join(dead)}")
     per_proc = {n: round(max(0.0, cpu1[n] - cpu0[n]) / window * 100.0, 3) for n in pids}
-    per_role: Counter[str] = Counter()
+    per_role: dict[str, float] = {}
     for n, (role, _pid) in pids.items():
-        per_role[role] += per_proc[n]
+        per_role[role] = per_role.get(role, 0.0) + per_proc[n]
     counts = Counter(role for role, _pid in pids.values())
-    cluster = (f"{len(config.rack_names())} racks x {len(config.nodes()) // max(1, len(config.rack_names()))} nodes: "
-               + ", ".join(f"{counts[r]} {r}" for r in sorted(counts)))
+    per_rack = sorted({len(r.expanded()) for r in config.cluster.racks})
+    shape = (f"{len(config.rack_names())} racks x {per_rack[0]} nodes" if len(per_rack) == 1 else
+             f"{len(config.rack_names())} racks of {' to '.join(map(str, (per_rack[0], per_rack[-1])))} nodes")
+    cluster = f"{shape}: " + ", ".join(f"{counts[r]} {r}" for r in sorted(counts))
     return {
         "idle_cpu_pct": round(sum(v for r, v in per_role.items() if r not in APART), 2),
         "apart_cpu_pct": round(sum(v for r, v in per_role.items() if r in APART), 2),

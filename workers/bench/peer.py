@@ -295,13 +295,14 @@ class ShimProcess(_HttpProcess):
         return _get_ok(f"{self.url}/health") is not None
 
 
-class SmgProcess(_HttpProcess):
-    """`smg launch` in front of `worker_urls`, healthy once it lists every worker as healthy (SMG's own /health
-    answers before any worker is registered)."""
+class _RouterProcess(_HttpProcess):
+    """A peer gateway executable in front of `worker_urls`, with its own loopback metrics port (both routers bind
+    a fixed metrics port by default)."""
 
-    def __init__(self, smg: Path, worker_urls: Sequence[str], data_dir: Path, policy: str = "round_robin") -> None:
-        super().__init__("smg", data_dir)
-        self.smg = smg
+    def __init__(self, name: str, exe: Path, worker_urls: Sequence[str], data_dir: Path,
+                 policy: str = "round_robin") -> None:
+        super().__init__(name, data_dir)
+        self.exe = exe
         self.worker_urls = tuple(worker_urls)
         self.policy = policy
         self.metrics_port = free_port()
@@ -310,9 +311,17 @@ class SmgProcess(_HttpProcess):
         super()._repick_ports()
         self.metrics_port = free_port()
 
+
+class SmgProcess(_RouterProcess):
+    """`smg launch` in front of `worker_urls`, healthy once it lists every worker as healthy (SMG's own /health
+    answers before any worker is registered)."""
+
+    def __init__(self, smg: Path, worker_urls: Sequence[str], data_dir: Path, policy: str = "round_robin") -> None:
+        super().__init__("smg", smg, worker_urls, data_dir, policy)
+
     def _argv(self) -> list[str]:
         return [
-            str(self.smg), "launch", "--host", LOOPBACK, "--port", str(self.port),
+            str(self.exe), "launch", "--host", LOOPBACK, "--port", str(self.port),
             "--worker-urls", *self.worker_urls, "--policy", self.policy,
             # its metrics listener binds 0.0.0.0:29000 by default: loopback, and a port of its own per run
             "--prometheus-host", LOOPBACK, "--prometheus-port", str(self.metrics_port),
@@ -333,20 +342,12 @@ class SmgProcess(_HttpProcess):
             return False
 
 
-class VllmRouterProcess(_HttpProcess):
+class VllmRouterProcess(_RouterProcess):
     """`vllm-router` (vLLM's Rust router) in front of `worker_urls`. It waits for every worker's /health before it
     binds its port, so its own GET /health answering means the workers are registered."""
 
     def __init__(self, exe: Path, worker_urls: Sequence[str], data_dir: Path, policy: str = "round_robin") -> None:
-        super().__init__("vllm-router", data_dir)
-        self.exe = exe
-        self.worker_urls = tuple(worker_urls)
-        self.policy = policy
-        self.metrics_port = free_port()
-
-    def _repick_ports(self) -> None:
-        super()._repick_ports()
-        self.metrics_port = free_port()
+        super().__init__("vllm-router", exe, worker_urls, data_dir, policy)
 
     def _argv(self) -> list[str]:
         return [
@@ -544,8 +545,8 @@ def bench_peer(clients: int = 32, duration_s: float = 8.0, repeats: int = 3, max
         shims = [ShimProcess(f"shim{i}", Path(tmp), http) for i in range(2)]
         with _running(shims):
             urls = [s.url for s in shims]  # the ports the shims bound
-            gateway: _HttpProcess = (SmgProcess(exe, urls, Path(tmp), policy) if peer == "smg"
-                                     else VllmRouterProcess(exe, urls, Path(tmp), policy))
+            gateway: _RouterProcess = (SmgProcess(exe, urls, Path(tmp), policy) if peer == "smg"
+                                       else VllmRouterProcess(exe, urls, Path(tmp), policy))
             with _running([gateway]):
                 runs = _measure(gateway.url, {peer: [gateway], "shims": shims}, clients, duration_s, repeats,
                                 max_tokens, stream_every, f"bench {name}", progress)
