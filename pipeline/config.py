@@ -653,6 +653,11 @@ class GatewayConfig(_Strict):
     """Cap of the `Retry-After` computed from the queue ahead and the recent completion rate."""
     saturation_refresh_ms: int = Field(default=200, ge=10, le=60_000)
     """How often the gateway re-reads the rack queues (cached in between: no per-request reads)."""
+    user_history_cache_s: float = Field(default=2.0, ge=0, le=3600)
+    """How long the gateway keeps a user's output-length history (the EWMA the workers update on completion) before
+    it reads it again: a user sending many requests costs one read per interval, not one round trip per request
+    (0: read it for every request). The EWMA moves by a fifth of a completion's difference, so a value this old is
+    the estimate of one or two completions ago."""
     request_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
     """How long the gateway waits for a request's final result before answering with a timeout error."""
     max_n: int = Field(default=16, ge=1, le=128)

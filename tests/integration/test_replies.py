@@ -184,3 +184,46 @@ async def _test_a_reply_to_that_is_not_a_gateway_stream_is_never_written(r: aior
     await writer.write_many([_result(q, 1)], [_tokens(q, 0, 1)])
     assert not await r.exists(gone)
     assert await r.exists(keys.request_out(q.request_id))  # the request's own stream has it all
+
+
+def test_results_survive_a_flushed_script_cache_exactly_once(clean_services: ServiceEndpoints) -> None:
+    """The writer sends its scripts as plain EVALSHA (no SCRIPT EXISTS per pipeline): after the server lost them
+    (a restart, a SCRIPT FLUSH), each script that did not run is loaded and run once, and nothing is doubled."""
+
+    async def test(r: aioredis.Redis) -> None:
+        w = ResultWriter(r, lambda: time.time() * 1000, 60_000, out_ttl_s=120)
+        req = _req(keys.gateway_replies("gw-flush"))
+        await r.xadd(req.reply_to, {"x": "1"})
+        await r.config_resetstat()
+        await r.script_flush()
+        written = await w.write_many([], [_tokens(req, 0, 2)])  # the first chunk: a script
+        assert written == []
+        await r.script_flush()
+        assert await w.write_many([_result(req, 4)], [_tokens(req, 2, 2)]) == [True]
+        assert await w.write_many([_result(req, 4)], []) == [False]  # exactly once, script cached again
+        entries = await r.xrange(keys.request_out(req.request_id))
+        assert len(entries) >= 3  # first chunk, last chunk, result (and the repeat's end of stream)
+        assert await r.xlen(keys.RESULTS) == 1
+        assert 0 < await r.ttl(keys.request_out(req.request_id)) <= 120
+        stats = await r.info("commandstats")
+        assert "cmdstat_script|exists" not in stats
+
+    _run(clean_services, test)
+
+
+def test_streamed_chunks_renew_their_stream_ttl_without_an_expire_per_chunk(clean_services: ServiceEndpoints) -> None:
+    async def test(r: aioredis.Redis) -> None:
+        now = [1_000_000.0]
+        w = ResultWriter(r, lambda: now[0], 60_000, out_ttl_s=40)
+        req = _req("")
+        await r.config_resetstat()
+        await w.stream_tokens([_tokens(req, 0, 1)])
+        for i in range(1, 6):
+            await w.stream_tokens([_tokens(req, i, 1)])
+        assert (await r.info("commandstats"))["cmdstat_expire"]["calls"] == 1
+        assert 0 < await r.ttl(keys.request_out(req.request_id)) <= 40
+        now[0] += 10_001  # a quarter of the TTL later: renewed
+        await w.stream_tokens([_tokens(req, 6, 1)])
+        assert (await r.info("commandstats"))["cmdstat_expire"]["calls"] == 2
+
+    _run(clean_services, test)

@@ -27,7 +27,7 @@ from pipeline.routing.hashring import stable_hash64
 from pipeline.sampling import decode as decode_sampling
 from pipeline.sim.node import SimNode, SimSeq
 from pipeline.sim.world import NodeWorld
-from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
+from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, StepWindow, TokenOut
 
 _WORDS = (
     "the of and to in is for on that with as it by at from this be are or an was not which have but can all "
@@ -133,7 +133,7 @@ class SimEngine:
         self._abort_after_step: set[str] = set()
         self.steps = 0
         self.tokens = 0
-        self._recent: list[tuple[float, float]] = []  # (end wall ms, step ms) of the last 10 s
+        self._recent = StepWindow(10_000.0)  # step times of the last 10 s
 
     @property
     def slow_factor(self) -> float:
@@ -291,9 +291,7 @@ class SimEngine:
         self.steps += 1
         self.tokens += len(tokens)
         actual = now - t0
-        self._recent.append((now, actual))
-        if len(self._recent) > 64 and self._recent[0][0] < now - 10_000:
-            self._recent = [x for x in self._recent if x[0] >= now - 10_000]
+        self._recent.add(now, actual)
         return StepOutput(tuple(tokens), tuple(finished), actual)
 
     def take_block_events(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -302,8 +300,6 @@ class SimEngine:
 
     def stats(self) -> EngineStats:
         node = self.node
-        now = self.now_ms()
-        recent = [ms for t, ms in self._recent if t >= now - 10_000]
         return EngineStats(
             running=node.running,
             waiting=len(node.waiting),
@@ -311,7 +307,7 @@ class SimEngine:
             kv_used_kb=node.mem_est_used,
             gpu_mem_total_gb=node.vram_total_gb,
             gpu_mem_free_gb=node.free_vram_gb(),
-            avg_step_ms=sum(recent) / len(recent) if recent else 0.0,
+            avg_step_ms=self._recent.mean(self.now_ms()),
             steps=self.steps,
             tokens=self.tokens,
             prefill_tokens=node.prefill_backlog,

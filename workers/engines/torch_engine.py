@@ -57,7 +57,7 @@ from pipeline.events import RequestEvent
 from pipeline.kv.snapshot import KvSnapshot
 from pipeline.sampling import Sampling
 from pipeline.sampling import decode as decode_sampling
-from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, TokenOut
+from workers.engines.base import EngineError, EngineStats, SeqFinished, StepOutput, StepWindow, TokenOut
 from workers.engines.tokenizer import BOS, BYTE_VOCAB, EOS, PAD, StreamDecoder, TextTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ class TorchEngine:
         self._admit_counter = 0
         self._now = 0.0
         """The clock at the start of the iteration in progress."""
-        self._step_times: collections.deque[tuple[float, float]] = collections.deque()  # (end ms, step ms)
+        self._step_times = StepWindow(10_000.0)  # step times of the last 10 s
         self._gauges = _Gauges()
         self.steps = 0
         self.tokens = 0
@@ -771,9 +771,7 @@ class TorchEngine:
             self.tokens += len(tokens)
             step_ms = (time.perf_counter() - wall0) * 1000.0
             self._learn_speed(step_ms, *shape)
-            self._step_times.append((end, step_ms))
-            while self._step_times and self._step_times[0][0] < end - 10_000:
-                self._step_times.popleft()
+            self._step_times.add(end, step_ms)
             self._publish()
             return StepOutput(tuple(tokens), tuple(finished), step_ms)
 
@@ -789,13 +787,12 @@ class TorchEngine:
 
     # -- status ------------------------------------------------------------------------------------------------
     def _publish(self) -> None:
-        times = self._step_times
         self._gauges = _Gauges(
             running=len(self.running),
             waiting=len(self.waiting),
             swapped=len(self.swapped),
             kv_bytes=sum(s.kv_len for s in self.running.values()) * self.kv_bytes_per_token,
-            avg_step_ms=sum(ms for _, ms in times) / len(times) if times else 0.0,
+            avg_step_ms=self._step_times.mean(),
         )
 
     def stats(self) -> EngineStats:

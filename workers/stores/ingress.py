@@ -80,6 +80,10 @@ class RequestRejected(RackflowError, ValueError):
         """Machine-readable reason (OpenAI-style error code)."""
 
 
+HISTORY_CACHE_MAX = 100_000
+"""Users whose output-length history one gateway keeps between reads."""
+
+
 class Gateway:
     def __init__(self, config: RackflowConfig, r: aioredis.Redis, registry: NodeRegistry | None = None,
                  replies: ReplyMux | None = None) -> None:
@@ -109,6 +113,8 @@ class Gateway:
         self._queues_lock = asyncio.Lock()
         self._done: collections.deque[tuple[float, int]] = collections.deque()
         """(monotonic time, rf:results entries-added) samples of the last few seconds: the completion rate."""
+        self._history: dict[str, tuple[float, float | None]] = {}
+        """Users' output-length EWMAs as last read (monotonic s, value), by key (`user_avg_out`)."""
 
     # -- tokenizers ----------------------------------------------------------------------------------------------
     def tokenizer(self, model: str) -> Any | None:
@@ -175,8 +181,21 @@ class Gateway:
         return ns.allow_request_override and name in ns.allowed_overrides
 
     async def user_avg_out(self, tenant: str, user_id: str) -> float | None:
-        v = await self.r.get(keys.user_out_ewma(tenant, user_id))
-        return float(v) if v is not None else None
+        """The user's output-length EWMA, read at most every `gateway.user_history_cache_s` per user."""
+        ttl = self.config.gateway.user_history_cache_s
+        key = keys.user_out_ewma(tenant, user_id)
+        now = time.monotonic()
+        if ttl > 0:
+            hit = self._history.get(key)
+            if hit is not None and now - hit[0] < ttl:
+                return hit[1]
+        v = await self.r.get(key)
+        avg = float(v) if v is not None else None
+        if ttl > 0:
+            if len(self._history) >= HISTORY_CACHE_MAX:
+                self._history.clear()  # many users, each seen once: forget them all, read again
+            self._history[key] = (now, avg)
+        return avg
 
     async def backlog(self, max_age_s: float = 0.1) -> int:
         """Requests waiting for the router: rf:ingress lag + pending of the router group (cached briefly; the
