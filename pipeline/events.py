@@ -221,6 +221,10 @@ class HealthEvent:
     """Of those, blocks free now."""
     kv_block_tokens: int = 0
     """Tokens per KV block."""
+    next_ms: float = 0.0
+    """A worker's heartbeat: the next one comes within this many ms (it beats slower while idle:
+    `worker.idle_status_interval_ms`), and the monitor judges its silence against it; 0: the configured
+    `worker.status_interval_ms`."""
 
 
 @dataclass(frozen=True, slots=True)

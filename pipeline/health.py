@@ -122,24 +122,50 @@ class HeartbeatWatch:
     settle_ms: float = 3000.0
     gap_ms: float = 0.0
     """0: half of `timeout_ms`."""
+    interval_ms: float = 0.0
+    """The workers' configured heartbeat interval (`worker.status_interval_ms`); 0: a quarter of `timeout_ms`. A
+    worker that announces a longer one (`HealthEvent.next_ms`: it beats slower while idle) gets the same number of
+    missed beats: its timeout is `timeout_ms` x announced / `interval_ms`."""
     clock_ms: float = 0.0
     quiet_until_ms: float = 0.0
     last: dict[str, float] = field(default_factory=dict)
+    announced: dict[str, float] = field(default_factory=dict)
+    """node -> the interval its last heartbeat announced (only nodes that announced one longer than the default)."""
 
     def __post_init__(self) -> None:
         if self.timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be positive, got {self.timeout_ms}")
         if self.gap_ms <= 0:
             self.gap_ms = self.timeout_ms / 2.0
+        if self.interval_ms <= 0:
+            self.interval_ms = self.timeout_ms / 4.0
 
-    def observe(self, ts_ms: float, node: str | None = None) -> None:
-        """One entry of the stream, appended at `ts_ms` (its id's time); `node`: it is that node's heartbeat."""
-        if self.clock_ms and ts_ms - self.clock_ms > self.gap_ms:
+    def observe(self, ts_ms: float, node: str | None = None, next_ms: float = 0.0) -> None:
+        """One entry of the stream, appended at `ts_ms` (its id's time); `node`: it is that node's heartbeat, and
+        `next_ms` the interval it announced to its next one (0: the default)."""
+        if self.clock_ms and ts_ms - self.clock_ms > self.gap_ms and ts_ms - self.clock_ms > self.quiet_gap_ms():
             self.quiet_until_ms = ts_ms + self.settle_ms
         if ts_ms > self.clock_ms:
             self.clock_ms = ts_ms
         if node is not None and ts_ms > self.last.get(node, float("-inf")):
             self.last[node] = ts_ms
+            if next_ms > self.interval_ms:
+                self.announced[node] = next_ms
+            else:
+                self.announced.pop(node, None)
+
+    def quiet_gap_ms(self) -> float:
+        """The longest silence of the whole stream that is not an outage: `gap_ms` while any heard node beats at the
+        default rate; when every one announced a longer interval (an idle cluster), 1.5 x the shortest of them. A
+        quiet cluster is not an outage, and a node that beats fast again makes the threshold fast again."""
+        if not self.last or len(self.announced) < len(self.last):
+            return self.gap_ms
+        return max(self.gap_ms, 1.5 * min(self.announced[n] for n in self.last))
+
+    def limit_ms(self, node: str) -> float:
+        """The silence after which `node` is missed: `timeout_ms`, stretched by the interval it announced."""
+        a = self.announced.get(node)
+        return self.timeout_ms if a is None else self.timeout_ms * a / self.interval_ms
 
     def silent_ms(self, node: str) -> float | None:
         """How long the node has been silent on the stream's clock (None: not heard since it was last forgotten)."""
@@ -147,21 +173,22 @@ class HeartbeatWatch:
         return None if t is None else self.clock_ms - t
 
     def missed(self) -> list[tuple[str, float]]:
-        """(node, silent ms) of every heard node silent longer than the timeout, most silent first; none while the
+        """(node, silent ms) of every heard node silent longer than its timeout, most silent first; none while the
         stream settles after a silence of its own."""
         if self.clock_ms < self.quiet_until_ms:
             return []
-        out = [(n, self.clock_ms - t) for n, t in self.last.items() if self.clock_ms - t > self.timeout_ms]
+        out = [(n, self.clock_ms - t) for n, t in self.last.items() if self.clock_ms - t > self.limit_ms(n)]
         return sorted(out, key=lambda x: (-x[1], x[0]))
 
     def fresh(self, node: str) -> bool:
-        """Heard within the timeout (and since it was last forgotten)."""
+        """Heard within its timeout (and since it was last forgotten)."""
         s = self.silent_ms(node)
-        return s is not None and s <= self.timeout_ms
+        return s is not None and s <= self.limit_ms(node)
 
     def forget(self, node: str) -> None:
         """The node was declared dead: it is judged again only after it is heard again."""
         self.last.pop(node, None)
+        self.announced.pop(node, None)
 
     def reset(self, node: str) -> None:
         """The node is back in service: a full timeout from now before it can be judged silent."""

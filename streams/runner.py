@@ -227,6 +227,10 @@ class RunnerStats:
     handler_errors: int = 0
 
 
+IDLE_BLOCK_MS = 2000
+"""The longest a consumer's read blocks while its stream is idle (`StreamConsumer.idle_block_ms`)."""
+
+
 class StreamConsumer:
     def __init__(
         self,
@@ -243,6 +247,7 @@ class StreamConsumer:
         max_deliveries: int = 5,
         retention_ms: int = 86_400_000,
         accepts: tuple[type[Any], ...] | None = None,
+        idle_block_ms: int | None = None,
     ) -> None:
         self.r = r
         self.stream = stream
@@ -262,10 +267,18 @@ class StreamConsumer:
         self._deferred: set[str] = set()
         self._backoff = Retrying(READ_BACKOFF, random.Random())
         self._heartbeat: asyncio.Task[None] | None = None
+        self.idle_block_ms = max(block_ms, IDLE_BLOCK_MS if idle_block_ms is None else idle_block_ms)
+        """While the stream is idle, each empty read blocks twice as long as the last, up to this: an idle consumer
+        wakes every 2 s instead of every `block_ms` (an entry still ends the block at once; `stop` cancels it)."""
+        self._block_ms = block_ms
+        self._reading: asyncio.Future[Any] | None = None
 
     # -- public ------------------------------------------------------------------------------------------------
     def stop(self) -> None:
         self._stopping.set()
+        reading = self._reading
+        if reading is not None and not reading.done():
+            reading.cancel()  # a blocked read would otherwise hold the stop for up to idle_block_ms
 
     @property
     def stopping(self) -> bool:
@@ -299,7 +312,7 @@ class StreamConsumer:
 
     async def close(self) -> None:
         """Stop the heartbeat of deferred entries (they become claimable by others after claim_idle_ms)."""
-        self._stopping.set()
+        self.stop()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
@@ -326,11 +339,24 @@ class StreamConsumer:
             start = _s(entries[-1][0])
 
     async def _read_new(self) -> None:
-        resp = await self.r.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=self.count, block=self.block_ms
-        )
+        read = asyncio.ensure_future(self.r.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=self.count, block=self._block_ms
+        ))
+        self._reading = read
+        try:
+            resp = await read
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stopping.is_set() and read.cancelled() and not (task is not None and task.cancelling()):
+                return  # `stop` cancelled the blocked read (an entry it had taken stays pending: claimed later)
+            raise
+        finally:
+            self._reading = None
         if resp:
+            self._block_ms = self.block_ms
             await self._process(resp[0][1], redelivered=False)
+        else:
+            self._block_ms = min(self.idle_block_ms, self._block_ms * 2)
 
     async def _claim_loop(self) -> None:
         interval = max(0.05, self.claim_idle_ms / 2000.0)

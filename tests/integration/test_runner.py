@@ -243,3 +243,53 @@ def test_streams_are_trimmed_by_age(clean_services):  # type: ignore[no-untyped-
     assert before == 2880
     assert 1440 <= after <= 1440 + 101  # the last day stays, the first is gone (up to one approximate node)
     assert int(first.split(b"-")[0]) >= 10 * 86_400_000 - 86_400_000 - 101 * 60_000
+
+
+def test_an_idle_consumer_blocks_longer_yet_takes_an_entry_at_once_and_stops_at_once(clean_services):  # type: ignore[no-untyped-def]
+    """Idle, each empty read blocks twice as long as the last (up to idle_block_ms): a handful of reads in two
+    seconds instead of one every block_ms. An entry still ends the block at once, and `stop` cancels a blocked read
+    instead of waiting it out."""
+
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        stream = f"rf:test:{uuid.uuid4().hex}"
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        seen: list[tuple[str, float]] = []
+
+        async def handle(ds: list[Delivery]) -> None:
+            seen.extend((d.event.request_id, asyncio.get_running_loop().time()) for d in ds)  # type: ignore[union-attr]
+
+        c = consumer(r, stream, "c1", handle, block_ms=20, idle_block_ms=1000)
+        reads = 0
+        real = r.xreadgroup
+
+        async def counted(*a, **k):  # type: ignore[no-untyped-def]
+            nonlocal reads
+            reads += 1
+            return await real(*a, **k)
+
+        r.xreadgroup = counted  # type: ignore[method-assign]
+        task = asyncio.create_task(c.run())
+        await asyncio.sleep(2.5)  # 20 ms blocks would be 125 reads; doubling to 1 s, about 8 (fewer on a slow box)
+        assert reads <= 10, reads
+        sent = asyncio.get_running_loop().time()
+        await producer.add(stream, req(1))
+        await until(lambda: len(seen) == 1)
+        assert seen[0][1] - sent < 0.5  # the block ended on the entry, not at its timeout
+        await asyncio.sleep(1.5)  # idle again: blocking up to 1 s
+        t0 = asyncio.get_running_loop().time()
+        c.stop()
+        await asyncio.wait_for(task, timeout=5)
+        assert asyncio.get_running_loop().time() - t0 < 0.3  # the blocked read was cancelled, not waited out
+        await c.close()
+        await producer.add(stream, req(2))  # nothing was lost by the cancelled read: a new consumer reads on
+        c2 = consumer(r, stream, "c1", handle, block_ms=20)
+        task = asyncio.create_task(c2.run())
+        await until(lambda: len(seen) == 2)
+        c2.stop()
+        await task
+        await c2.close()
+        assert [s for s, _ in seen] == ["req-1", "req-2"]
+        await r.aclose()
+
+    run(body())

@@ -157,3 +157,48 @@ def test_a_window_shorter_than_two_heartbeats_is_refused_naming_both_fields(tmp_
     with pytest.raises(ConfigError) as e:
         load_config(overrides=[path])
     assert "worker_heartbeat_timeout_ms" in str(e.value) and "status_interval_ms" in str(e.value)
+
+
+def test_an_idle_node_is_judged_against_the_interval_it_announced() -> None:
+    """An idle worker beats every second and says so (`next_ms`): silent 2 s it is not missed (4 of its beats make
+    its timeout, as 4 of 200 ms do for a busy one); silent past 4 s it is."""
+    w = HeartbeatWatch(timeout_ms=800, interval_ms=200)
+    t = 0.0
+    while t <= 3000:  # a idles (1 s beats), b works (200 ms beats)
+        if t % 1000 == 0:
+            w.observe(t, "a", 1000.0)
+        w.observe(t + 25, "b", 200.0)
+        t += 200
+    assert w.limit_ms("a") == 4000 and w.limit_ms("b") == 800
+    last_a = w.last["a"]
+    while w.clock_ms - last_a <= 4000:  # a died after its beat at 3000; b goes on
+        assert w.missed() == []
+        w.observe(t + 25, "b", 200.0)
+        t += 200
+    assert [n for n, _ in w.missed()] == ["a"]
+    w.observe(t, "a", 200.0)  # it beats fast again (work arrived): the default timeout again
+    assert w.limit_ms("a") == 800 and w.fresh("a")
+
+
+def test_a_quiet_idle_cluster_is_not_an_outage_but_a_silence_after_fast_beats_is() -> None:
+    w = HeartbeatWatch(timeout_ms=800, settle_ms=3000, interval_ms=200)
+    for t in range(0, 10_001, 1000):  # every node idle: one beat a second, the stream quiet in between
+        w.observe(float(t), "a", 1000.0)
+        w.observe(float(t) + 300, "b", 1000.0)
+    assert w.quiet_until_ms == 0.0  # gaps of 700 ms: not taken for an outage
+    w.observe(10_500, "b", 200.0)  # b works again
+    w.observe(11_300, "a", 1000.0)  # 800 ms of silence with a fast beater: the stream itself went quiet
+    assert w.quiet_until_ms == 11_300 + 3000
+    assert w.missed() == []
+
+
+@given(st.lists(st.integers(min_value=1, max_value=5), min_size=2, max_size=6), st.integers(0, 999))
+def test_idle_beaters_are_never_missed_while_they_beat(periods: list[int], phase: int) -> None:
+    """Nodes beating at any announced interval (200 ms to 1 s) are never missed while they keep to it."""
+    w = HeartbeatWatch(timeout_ms=800, interval_ms=200)
+    nodes = {f"n{i}": 200.0 * p for i, p in enumerate(periods)}
+    events = sorted((k * every + (i * 37 + phase) % 200, n, every) for i, (n, every) in enumerate(nodes.items())
+                    for k in range(int(20_000 // every)))
+    for ts, n, every in events:
+        w.observe(ts, n, every)
+        assert w.missed() == []

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 import uuid
 
 from pipeline.batching.ledger import ReservationLedger
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 IDLE_WAKE_S = 2.0
 """While the window is empty the tick and room loops wait for an arrival (which wakes them at once), waking on their
 own only this often: an idle batcher does not poll."""
+IDLE_REFRESH_S = 2.0
+"""While no request arrives, the full view refresh (etcd's registry, every node's status) backs off from
+`node_selection.refresh_ms` to this; the first request after it finds the view refreshed before it is placed."""
 
 
 class Batcher:
@@ -66,6 +71,10 @@ class Batcher:
             retention_ms=retention_ms, accepts=(RequestEvent,),
         )
         self._lock = asyncio.Lock()
+        self._busy = False
+        """A request arrived since the last full refresh (the refresh keeps its fast pace)."""
+        self._refreshed = -math.inf
+        """When the view was last refreshed in full (time.monotonic())."""
         self._arrived = asyncio.Event()
         self._arrived_room = asyncio.Event()
         """Requests arrived: the room watch (`_room_loop`) starts watching."""
@@ -82,6 +91,9 @@ class Batcher:
         self.dispatched = 0
 
     async def _on_requests(self, deliveries: list[Delivery]) -> None:
+        self._busy = True
+        if time.monotonic() - self._refreshed > 2 * self.config.policies.node_selection.refresh_ms / 1000.0:
+            await self._refresh()  # idle until now: the view backed off, and a placement needs a fresh one
         now = WALL.now_ms()
         async with self._lock:
             for d in deliveries:
@@ -223,15 +235,24 @@ class Batcher:
         await self.r.hset(keys.rack_status(self.rack), mapping={f"tokens:{self.actor}": str(tokens),
                                                                  f"ts:{self.actor}": str(WALL.now_ms())})
 
+    async def _refresh(self) -> None:
+        try:
+            await self.view.refresh()
+            self._refreshed = time.monotonic()
+            await self._publish_backlog()
+            self._export_metrics()
+        except Exception as e:
+            log.warning("rack %s: cluster view refresh failed: %s", self.rack, e)
+
     async def _refresh_loop(self, stop: asyncio.Event) -> None:
-        interval = self.config.policies.node_selection.refresh_ms / 1000.0
+        """The full view refresh every `refresh_ms` while requests come; while none does, the interval doubles up to
+        `IDLE_REFRESH_S` (the next request refreshes first: `_on_requests`)."""
+        base = self.config.policies.node_selection.refresh_ms / 1000.0
+        interval = base
         while not stop.is_set():
-            try:
-                await self.view.refresh()
-                await self._publish_backlog()
-                self._export_metrics()
-            except Exception as e:
-                log.warning("rack %s: cluster view refresh failed: %s", self.rack, e)
+            await self._refresh()
+            busy, self._busy = self._busy or bool(self.window.pending_count), False
+            interval = base if busy else min(max(base, IDLE_REFRESH_S), interval * 2)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:

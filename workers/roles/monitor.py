@@ -80,7 +80,8 @@ class Monitor:
         timeout = self.config.policies.worker_heartbeat_timeout_ms()
         if not timeout:
             return None
-        return HeartbeatWatch(float(timeout), float(self.config.policies.health.heartbeat_settle_ms))
+        return HeartbeatWatch(float(timeout), float(self.config.policies.health.heartbeat_settle_ms),
+                              interval_ms=float(self.config.policies.worker.status_interval_ms))
 
     # -- leadership --------------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> int:
@@ -153,7 +154,8 @@ class Monitor:
             for d in deliveries:  # the stream's clock first: every entry moves it, a worker's status is a heartbeat
                 ev = d.event
                 beat = isinstance(ev, HealthEvent) and ev.source == "worker" and ev.node in self.nodes
-                watch.observe(stream_id_ms(d.id), ev.node if beat else None)  # type: ignore[union-attr]
+                watch.observe(stream_id_ms(d.id), ev.node if beat else None,  # type: ignore[union-attr]
+                              ev.next_ms if beat else 0.0)  # type: ignore[union-attr]
             await self.check_heartbeats()
         for d in deliveries:
             ev = d.event

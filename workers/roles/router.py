@@ -12,6 +12,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
+import time
 
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
@@ -30,6 +32,9 @@ from workers.stores.results import ResultWriter, error_result
 log = logging.getLogger(__name__)
 
 
+IDLE_REFRESH_S = 2.0
+"""While no request arrives, the view refresh backs off from `node_selection.refresh_ms` to this; the first request
+after it finds the view refreshed before it is routed."""
 STOP_WAIT_S = 2.0
 """On stop, how long the batch in hand may take to finish before it is left pending for another router."""
 
@@ -58,11 +63,18 @@ class Router:
         )
         self.routed = 0
         self.serving = {m: config.racks_serving(m) for m in config.models}
+        self._busy = False
+        """A request arrived since the last refresh (the refresh keeps its fast pace)."""
+        self._refreshed = -math.inf
+        """When the view was last refreshed (time.monotonic())."""
 
     async def _racks(self) -> dict[str, RackView]:
         return self.view.rack_views(WALL.now_ms())
 
     async def _on_requests(self, deliveries: list[Delivery]) -> None:
+        self._busy = True
+        if time.monotonic() - self._refreshed > 2 * self.config.policies.node_selection.refresh_ms / 1000.0:
+            await self._refresh()  # idle until now: the view backed off, and a route needs a fresh one
         now = WALL.now_ms()
         racks = await self._racks()
         views = dict(racks)
@@ -144,14 +156,23 @@ class Router:
             await self.results.write(e)
         self.routed += len(ids)
 
+    async def _refresh(self) -> None:
+        try:
+            await self.view.refresh(with_backlog=True)
+            self._refreshed = time.monotonic()
+            self._export_metrics()
+        except Exception as e:
+            log.warning("router: cluster view refresh failed: %s", e)
+
     async def _refresh_loop(self, stop: asyncio.Event) -> None:
-        interval = self.config.policies.node_selection.refresh_ms / 1000.0
+        """The view refresh every `refresh_ms` while requests come; while none does, the interval doubles up to
+        `IDLE_REFRESH_S` (the next request refreshes first: `_on_requests`)."""
+        base = self.config.policies.node_selection.refresh_ms / 1000.0
+        interval = base
         while not stop.is_set():
-            try:
-                await self.view.refresh(with_backlog=True)
-                self._export_metrics()
-            except Exception as e:
-                log.warning("router: cluster view refresh failed: %s", e)
+            await self._refresh()
+            busy, self._busy = self._busy, False
+            interval = base if busy else min(max(base, IDLE_REFRESH_S), interval * 2)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:

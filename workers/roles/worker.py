@@ -68,6 +68,20 @@ OUTAGE_BACKOFF = ExponentialBackoff(base=0.1, cap=2.0)
 """Between two tries of a write through a Valkey outage: 0.1 s doubling to 2 s."""
 
 
+async def _first_of(stop: asyncio.Event, wake: asyncio.Event, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for `stop` or `wake`; True when `wake` was set (and `stop` not)."""
+    if stop.is_set():
+        return False
+    if not wake.is_set():
+        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())}
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+    return wake.is_set() and not stop.is_set()
+
+
 @dataclass(slots=True)
 class _Live:
     req: RequestEvent
@@ -142,6 +156,11 @@ class Worker:
         """When `_publish_room` last rewrote the status hash (time.monotonic())."""
         self._room_later: asyncio.Task[None] | None = None
         """A rewrite due at the end of the current `room_status_ms` interval."""
+        self._beat_ms = float(config.policies.worker.status_interval_ms)
+        """The heartbeat interval in force, announced with each heartbeat (`HealthEvent.next_ms`): the configured one
+        while the node works, doubling to `worker.idle_status_interval_ms` while it is idle."""
+        self._beat_now = asyncio.Event()
+        """Set when work arrives at an idle-paced node: its heartbeat loop publishes at once and beats fast again."""
         # metric children bound once (labels() on every step costs more than the increment)
         self._m_steps = metrics.ENGINE_STEPS.labels(node, engine_name)
         self._m_tokens = metrics.ENGINE_TOKENS.labels(node, engine_name)
@@ -191,6 +210,8 @@ class Worker:
                     metrics.RESULTS.labels(self.node, result.status).inc()
         self.recorder.claim(claims)
         self._wake.set()
+        if self._beat_ms > self.config.policies.worker.status_interval_ms:
+            self._beat_now.set()  # idle-paced: the status says at once that this node works again
 
     def _start_batch(self, d: Delivery, batch: BatchEvent, now: float, done: set[str], cancelled: set[str],
                      claims: list[SeqRecord]) -> list[ResultEvent]:
@@ -712,6 +733,7 @@ class Worker:
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_free=s.kv_blocks_free,
             kv_block_tokens=s.kv_block_tokens,
+            next_ms=self._beat_ms,
         )
 
     async def publish_status(self) -> None:
@@ -743,16 +765,32 @@ class Worker:
         if hasattr(self.engine, "slow_factor"):
             self.engine.slow_factor = factor
 
+    def _idle(self) -> bool:
+        """Nothing to do: no sequence in the engine or waiting for it, no release queued."""
+        return not self.live and not self._releases and not self.engine.has_work()
+
+    def _next_beat_ms(self) -> float:
+        """The interval to the next heartbeat: the configured one while the node works; while it is idle, double the
+        last one, up to `worker.idle_status_interval_ms` (capped at a third of `node_selection.stale_ms`)."""
+        pol = self.config.policies
+        base = float(pol.worker.status_interval_ms)
+        if not self._idle():
+            return base
+        cap = max(base, min(float(pol.worker.idle_status_interval_ms), pol.node_selection.stale_ms / 3.0))
+        return min(cap, self._beat_ms * 2.0)
+
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         """The worker's heartbeat: its status (HealthEvent on `rf:health` and the node's status hash, one round
         trip) every `status_interval_ms`, on a fixed schedule that nothing else in this loop can hold up. The
         monitor takes a worker whose heartbeats stop for `health.worker_heartbeat_timeout_ms` for dead; engine
         steps never block it (the engines sleep or compute off the event loop), nor do the fault and cancel checks
-        (their own loop, `_checks_loop`)."""
-        interval = self.config.policies.worker.status_interval_ms / 1000.0
+        (their own loop, `_checks_loop`). While the node is idle the interval doubles up to
+        `worker.idle_status_interval_ms`, each heartbeat announcing the next one (`next_ms`: the monitor stretches
+        the node's timeout by it); work arriving brings a heartbeat at once and the fast pace back."""
         due = time.monotonic()
         failing = False
         while not stop.is_set():
+            self._beat_ms = self._next_beat_ms()
             try:
                 await self.publish_status()
                 if failing:
@@ -762,18 +800,17 @@ class Worker:
                 if not failing:  # once per outage
                     log.warning("node %s: status publish failed: %s", self.node, e)
                 failing = True
-            due += interval
+            due += self._beat_ms / 1000.0
             now = time.monotonic()
             if due < now:  # late (the publish took longer than an interval): the next one at once, on a new grid
                 due = now
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=max(0.0, due - now))
-            except TimeoutError:
-                pass
+            if await _first_of(stop, self._beat_now, max(0.0, due - now)):
+                self._beat_now.clear()
+                due = time.monotonic()
 
     async def _checks_loop(self, stop: asyncio.Event) -> None:
-        """Injected faults (a `slow` engine) and the cancellation markers' backstop, every status interval."""
-        interval = self.config.policies.worker.status_interval_ms / 1000.0
+        """Injected faults (a `slow` engine) and the cancellation markers' backstop, every heartbeat interval (slower
+        while the node is idle: no sequence to cancel, and a fault shows on the next batch's steps)."""
         while not stop.is_set():
             try:
                 await self._apply_faults()
@@ -781,7 +818,7 @@ class Worker:
             except Exception as e:
                 log.warning("node %s: fault and cancel checks failed: %s", self.node, e)
             try:
-                await asyncio.wait_for(stop.wait(), timeout=interval)
+                await asyncio.wait_for(stop.wait(), timeout=self._beat_ms / 1000.0)
             except TimeoutError:
                 pass
 
