@@ -3,7 +3,8 @@
 score = max(0, 1 - sum(weight_i x penalty_i)); penalties in [0, 1]: new Xid events, new uncorrectable ECC errors,
 NVLink CRC/replay errors per sample, temperature over the warning level, step latency over the node's baseline,
 missing heartbeat. A node is drained when its score falls below `drain_below`; it is active again only after
-`recover_samples` consecutive samples above `recover_above` (a flapping node does not bounce). Pure: samples carry
+`recover_samples` consecutive samples above `recover_above`, or as long a streak of them in time at the
+agents' interval (a flapping node does not bounce). Pure: samples carry
 their own timestamps; the same scorer runs in the live monitor and in the simulator.
 """
 
@@ -33,6 +34,7 @@ class _NodeHealth:
     baseline_latency_ms: float = 0.0
     draining: bool = False
     good_streak: int = 0
+    good_since_ms: float = 0.0
     score: float = 1.0
     reasons: tuple[str, ...] = ()
 
@@ -94,7 +96,13 @@ class HealthScorer:
             st.draining, st.good_streak, changed = True, 0, True
         elif st.draining:
             st.good_streak = st.good_streak + 1 if score > self.policy.recover_above else 0
-            if st.good_streak >= self.policy.recover_samples:
+            if st.good_streak == 1:
+                st.good_since_ms = s.ts_ms
+            # recover_samples samples above the bar, or as long as they take at the agents' interval: an agent
+            # whose node is idle and quiet samples less often, and the time is what the hysteresis is for
+            n, every = self.policy.recover_samples, self.policy.interval_ms
+            if st.good_streak >= n or (st.good_streak > 1
+                                       and s.ts_ms - st.good_since_ms >= (n - 1) * every - every / 2):
                 st.draining, changed = False, True
         return HealthVerdict(s.node, score, st.draining, changed, reasons)
 

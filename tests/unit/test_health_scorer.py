@@ -135,6 +135,30 @@ def test_a_drained_node_returns_only_after_recover_samples_consecutive_good_samp
     assert v.draining is False and v.changed is False
 
 
+def test_a_slow_sampled_node_recovers_after_the_same_time_not_the_same_count() -> None:
+    """An agent whose node is idle and quiet samples every second instead of every 200 ms: its recovery takes the
+    hysteresis' time ((recover_samples - 1) x interval_ms: 4.8 s at 25 x 200 ms), not 25 of its slow samples."""
+    s = HealthScorer(HealthPolicy(recover_samples=25, interval_ms=200))
+    s.observe(sample(ts=0.0, xid_errors=0))
+    assert s.observe(sample(ts=200.0, xid_errors=1)).draining
+    t, states = 1000.0, []
+    while t <= 8000.0:
+        v = s.observe(sample(ts=t, xid_errors=1))
+        states.append((t, v.draining, v.changed))
+        t += 1000.0
+    recovered = [t for t, draining, changed in states if changed]
+    assert recovered == [6000.0]  # good since 1,000: 5,000 ms >= 4,800 - 100, at the 6th slow sample
+    assert all(d for t, d, _ in states if t < 6000.0)
+
+
+def test_at_the_agents_own_rate_time_and_count_agree() -> None:
+    s = HealthScorer(HealthPolicy(recover_samples=25, interval_ms=200))
+    s.observe(sample(ts=0.0, xid_errors=0))
+    s.observe(sample(ts=200.0, xid_errors=1))
+    changed_at = [k for k in range(1, 40) if s.observe(sample(ts=200.0 + 200.0 * k, xid_errors=1)).changed]
+    assert changed_at == [25]  # the 25th good sample, as the count alone says
+
+
 def test_one_mediocre_sample_restarts_the_recovery_count() -> None:
     s = HealthScorer(HealthPolicy(recover_samples=3))
     s.observe(sample(heartbeat_ok=False))
