@@ -803,10 +803,13 @@ class RackflowConfig(_Strict):
         return copy
 
     def _cached(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-        v = self._memo.get(key, _MISSING)
+        # the private-attribute dict directly: `self._memo` goes through pydantic's __getattr__ on every call (1.2% of
+        # the gateway's CPU under `rackflow bench gateway`, these lookups 3%)
+        memo: dict[tuple[Any, ...], Any] = self.__pydantic_private__["_memo"]  # type: ignore[index]
+        v = memo.get(key, _MISSING)
         if v is _MISSING:
             v = make()
-            self._memo[key] = v
+            memo[key] = v
         return v
 
     def nodes(self) -> tuple[NodeSpec, ...]:
