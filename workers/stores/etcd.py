@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 import aetcd
 import aetcd.exceptions as aex
 import aetcd.leases
+import aetcd.rpc
+import aetcd.transactions
 
 from pipeline.backoff import ExponentialBackoff, Retrying
 from pipeline.errors import RackflowError
@@ -329,6 +331,15 @@ class NodeRegistry:
         except aex.ClientError as e:
             raise _translate(e) from None
 
+    async def _put_unless_ours(self) -> None:
+        key = keys.etcd_node(self._node or "").encode()
+        value = json.dumps(self._info).encode()
+        t = self.client.transactions
+        await self.client.transaction(
+            compare=[_LeaseIs(key) == self._lease.id, t.value(key) == value],
+            success=[], failure=[t.put(key, value, lease=self._lease)],
+        )
+
     async def _keep_alive(self) -> None:
         interval = max(0.2, self.ttl_s / 3)
         while True:
@@ -343,11 +354,12 @@ class NodeRegistry:
                     log.warning("node %s: registration lease %x is gone (expired, or revoked by the monitor after "
                                 "missed heartbeats); registering again", self._node, self._lease.id)
                     self._lease = await self.client.lease(self.ttl_s)
-                # Re-put under our lease: another process of the same node (hot swap) may have taken the key
-                # with its own lease, and when that one dies the key must not vanish while we are alive.
-                await self.client.put(
-                    keys.etcd_node(self._node or "").encode(), json.dumps(self._info).encode(), lease=self._lease
-                )
+                # Re-put under our lease when the key is not ours as we wrote it: another process of the same node
+                # (hot swap) may have taken it with its own lease, and when that one dies the key must not vanish
+                # while we are alive; a `set_state` whose put failed is written here. One read-only transaction
+                # when nothing changed: an unconditional put every second was a Raft write (and a WAL fsync) per
+                # worker per second, most of an idle cluster's etcd CPU.
+                await self._put_unless_ours()
             except Exception as e:  # keep trying: a transient etcd outage must not kill the worker
                 log.warning("node %s: lease refresh failed: %s", self._node, e)
                 try:  # the lease may have expired meanwhile: register again with a fresh one
@@ -685,6 +697,15 @@ class SequenceRegistry:
                 await self.client.transaction(compare=[], success=ops[i:i + 100], failure=[])
         except aex.ClientError as e:
             raise _translate(e) from None
+
+
+class _LeaseIs(aetcd.transactions.BaseCompare):
+    """Compare a key's lease (etcd's Compare target LEASE, which aetcd does not wrap): `_LeaseIs(key) == lease_id`.
+    A missing key has lease 0."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = aetcd.rpc.Compare.LEASE
+        compare.lease = int(self.value)  # type: ignore[arg-type]
 
 
 class SeqRecorder:
