@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from pipeline.events import RequestEvent, ResultEvent, TokenEvent
-from streams import keys
+from streams import codec, keys
 from workers.local.services import ServiceEndpoints
 from workers.stores.replies import ReplyMux
 from workers.stores.results import ResultWriter
@@ -225,5 +225,37 @@ def test_streamed_chunks_renew_their_stream_ttl_without_an_expire_per_chunk(clea
         now[0] += 10_001  # a quarter of the TTL later: renewed
         await w.stream_tokens([_tokens(req, 6, 1)])
         assert (await r.info("commandstats"))["cmdstat_expire"]["calls"] == 2
+
+    _run(clean_services, test)
+
+
+def test_copies_ride_in_the_scripts_and_a_failed_copy_fails_nothing(clean_services: ServiceEndpoints) -> None:
+    """A request's first chunk and its finish copy themselves to the gateway's reply stream inside their scripts (one
+    command each, not one per copy); a reply stream of the wrong type (WRONGTYPE) is counted, and the result is
+    written all the same."""
+    from workers.shell import metrics
+
+    async def test(r: aioredis.Redis) -> None:
+        w = ResultWriter(r, lambda: time.time() * 1000, 60_000, out_ttl_s=120)
+        ok = _req(keys.gateway_replies("gw-copies"))
+        await r.xadd(ok.reply_to, {"x": "1"})
+        await r.config_resetstat()
+        assert await w.write_many([], [_tokens(ok, 0, 2)]) == []
+        assert await w.write_many([_result(ok, 4)], [_tokens(ok, 2, 2)]) == [True]
+        calls = {k: v["calls"] for k, v in (await r.info("commandstats")).items()}
+        assert calls.get("cmdstat_evalsha") == 2 and "cmdstat_script|exists" not in calls
+        copies = [codec.decode(f) for _, f in (await r.xrange(ok.reply_to))[1:]]
+        assert [type(ev).__name__ for ev in copies] == ["TokenEvent", "TokenEvent", "ResultEvent"]
+        assert [ev.index for ev in copies[:2]] == [0, 2]  # type: ignore[union-attr]
+
+        bad = _req(keys.gateway_replies("gw-wrongtype"))
+        await r.set(bad.reply_to, "not a stream")
+        before = metrics.REPLY_COPY_ERRORS._value.get()
+        assert await w.write_many([], [_tokens(bad, 0, 1)]) == []
+        assert await w.write_many([_result(bad, 2)], [_tokens(bad, 1, 1)]) == [True]
+        assert metrics.REPLY_COPY_ERRORS._value.get() == before + 2
+        assert await r.get(bad.reply_to) == b"not a stream"
+        own = [codec.decode(f) for _, f in await r.xrange(keys.request_out(bad.request_id))]
+        assert [type(ev).__name__ for ev in own] == ["TokenEvent", "TokenEvent", "ResultEvent"]
 
     _run(clean_services, test)

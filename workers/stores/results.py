@@ -90,10 +90,16 @@ redis.call('SET', KEYS[1], tostring(v), 'EX', ARGV[3])
 return tostring(v)
 """
 
-# A client stream's first entry and its TTL in one command.
+# A client stream's first entry and its TTL in one command, and its copy on the gateway's reply stream (KEYS[2],
+# when there is one: NOMKSTREAM, trimmed by MINID; a copy that fails, WRONGTYPE, is reported, never raised).
 _FIRST_LUA = """
 redis.call('XADD', KEYS[1], '*', 'v', ARGV[1], 't', ARGV[2], 'd', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
+if KEYS[2] then
+  local ok = redis.pcall('XADD', KEYS[2], 'NOMKSTREAM', 'MINID', '~', ARGV[5], '*', 'v', ARGV[1], 't', ARGV[2],
+                         'd', ARGV[3])
+  if type(ok) == 'table' and ok.err then return 2 end
+end
 return 1
 """
 
@@ -107,8 +113,9 @@ return 0
 
 
 # One round trip for a whole finish on a single server: the exactly-once result, the user's EWMA, the last token
-# chunk and the end of the client stream. (On Redis Cluster these keys live in different slots: write_many then
-# takes the two-phase path of slot-safe commands.)
+# chunk and the end of the client stream, and their copies on the gateway's reply stream (KEYS[5], when there is
+# one). Returns 1 when the result was written here (0: a duplicate), plus 2 when a reply copy failed. (On Redis
+# Cluster these keys live in different slots: write_many then takes the two-phase path of slot-safe commands.)
 _FINISH_LUA = """
 local written = 0
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -124,7 +131,19 @@ end
 if ARGV[12] ~= '' then redis.call('XADD', KEYS[3], '*', 'v', ARGV[12], 't', ARGV[13], 'd', ARGV[14]) end
 redis.call('XADD', KEYS[3], '*', 'v', ARGV[4], 't', ARGV[5], 'd', ARGV[6])
 redis.call('EXPIRE', KEYS[3], ARGV[7])
-return written
+local failed = 0
+if KEYS[5] then
+  -- the gateway's copy: the last chunk, then the result
+  if ARGV[12] ~= '' then
+    local ok = redis.pcall('XADD', KEYS[5], 'NOMKSTREAM', 'MINID', '~', ARGV[15], '*', 'v', ARGV[12], 't', ARGV[13],
+                           'd', ARGV[14])
+    if type(ok) == 'table' and ok.err then failed = 2 end
+  end
+  local ok = redis.pcall('XADD', KEYS[5], 'NOMKSTREAM', 'MINID', '~', ARGV[15], '*', 'v', ARGV[4], 't', ARGV[5],
+                         'd', ARGV[6])
+  if type(ok) == 'table' and ok.err then failed = 2 end
+end
+return written + failed
 """
 
 
@@ -250,6 +269,9 @@ class ResultWriter:
         return written
 
     async def _write_many_single(self, results: list[ResultEvent], tokens: list[TokenEvent]) -> list[bool]:
+        """One pipeline on a single server. A request's chunks and result are copied to its gateway's reply stream
+        inside the scripts that write them (its first chunk, its finish): one command per request instead of one
+        per copy. Per request, the reply stream gets every chunk before the result, as the request's own stream."""
         minid = minid_for(self.now_ms(), self.retention_ms)
         reply_minid = self._reply_minid()
         finishing = {r.request_id for r in results}
@@ -257,33 +279,42 @@ class ResultWriter:
         pipe = self.r.pipeline(transaction=False)
         rep: set[int] = set()
         scripts: dict[int, tuple[object, list[object]]] = {}
+        copied: list[int] = []
+        """Positions of scripts that also copy to a reply stream (their reply says whether the copy failed)."""
         for ev in tokens:
-            f = codec.encode(ev)
-            _reply(pipe, ev, f, rep, reply_minid)  # the gateway's copy: every chunk, before any result
             if ev.request_id in finishing:
                 continue  # goes out inside the finish script, right before the result
+            f = codec.encode(ev)
             out = keys.request_out(ev.request_id)
             if ev.index == 0:
-                _evalsha(pipe, self._first, [out], [f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s], scripts)
+                reply = [ev.reply_to] if ev.reply_to and keys.is_gateway_replies(ev.reply_to) else []
+                if reply:
+                    copied.append(len(pipe))
+                _evalsha(pipe, self._first, [out, *reply],
+                         [f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s, reply_minid], scripts)
             else:
+                _reply(pipe, ev, f, rep, reply_minid)  # the gateway's copy first, as the finish script orders it
                 pipe.xadd(out, f)  # type: ignore[arg-type]
         n_before = len(pipe.command_stack)
-        encoded = []
         for r in results:
             f = codec.encode(r)
-            encoded.append(f)
             chunk = last_chunk.get(r.request_id)
             cf = codec.encode(chunk) if chunk is not None else {b"v": b"", b"t": b"", b"d": b""}
+            reply = [r.reply_to] if r.reply_to and keys.is_gateway_replies(r.reply_to) else []
+            if reply:
+                copied.append(len(pipe))
             _evalsha(pipe, self._finish,
                      [keys.result_done(r.request_id), keys.RESULTS, keys.request_out(r.request_id),
-                      keys.user_out_ewma(r.tenant, r.user_id)],
+                      keys.user_out_ewma(r.tenant, r.user_id), *reply],
                      [r.version, self.marker_ttl_s, minid, f[b"v"], f[b"t"], f[b"d"], self.out_ttl_s,
                       self.ewma_alpha, self.ewma_ttl_s, "1" if r.status == "ok" else "0", r.out_tokens,
-                      cf[b"v"], cf[b"t"], cf[b"d"]], scripts)
-        for r, f in zip(results, encoded, strict=True):
-            _reply(pipe, r, f, rep, reply_minid)
+                      cf[b"v"], cf[b"t"], cf[b"d"], reply_minid], scripts)
         replies = await _execute(pipe, rep, scripts, self.r)
-        written = [bool(x) for x in replies[n_before:n_before + len(results)]]
+        for i in copied:
+            if isinstance(replies[i], int) and replies[i] >= 2:  # type: ignore[operator]
+                log.warning("a gateway reply copy failed (the request's own stream has it)")
+                metrics.REPLY_COPY_ERRORS.inc()
+        written = [bool(int(x) & 1) for x in replies[n_before:n_before + len(results)]]  # type: ignore[call-overload]
         metrics.observe_results(results, written)
         for r, w in zip(results, written, strict=True):
             if not w:
