@@ -728,6 +728,11 @@ class Policies(_Strict):
     seed: int = Field(default=20231116, ge=0, le=2**63 - 1)
     """Seed of every random choice (weighted random dispatch); replay reproduces decisions with it."""
 
+    def idle_pace_ms(self) -> float:
+        """The slowest pace of an idle node's heartbeats and health samples: `worker.idle_status_interval_ms`, capped
+        at a third of `node_selection.stale_ms` (an idle node's status must never look stale)."""
+        return min(float(self.worker.idle_status_interval_ms), self.node_selection.stale_ms / 3.0)
+
     def worker_heartbeat_timeout_ms(self) -> int:
         """The heartbeat window in force (`health.worker_heartbeat_timeout_ms`, its default resolved); 0: off."""
         t = self.health.worker_heartbeat_timeout_ms

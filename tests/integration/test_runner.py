@@ -259,7 +259,9 @@ def test_an_idle_consumer_blocks_longer_yet_takes_an_entry_at_once_and_stops_at_
         async def handle(ds: list[Delivery]) -> None:
             seen.extend((d.event.request_id, asyncio.get_running_loop().time()) for d in ds)  # type: ignore[union-attr]
 
-        c = consumer(r, stream, "c1", handle, block_ms=20, idle_block_ms=1000)
+        # a long idle block (30 s): an entry or a stop that waited for the block's end would take seconds, so the
+        # bounds below hold on a busy machine and still fail if the block were waited out
+        c = consumer(r, stream, "c1", handle, block_ms=20, idle_block_ms=30_000)
         reads = 0
         real = r.xreadgroup
 
@@ -270,17 +272,17 @@ def test_an_idle_consumer_blocks_longer_yet_takes_an_entry_at_once_and_stops_at_
 
         r.xreadgroup = counted  # type: ignore[method-assign]
         task = asyncio.create_task(c.run())
-        await asyncio.sleep(2.5)  # 20 ms blocks would be 125 reads; doubling to 1 s, about 8 (fewer on a slow box)
+        await asyncio.sleep(2.5)  # 20 ms blocks would be 125 reads; doubling from 20 ms, about 7 (fewer on a slow box)
         assert reads <= 10, reads
         sent = asyncio.get_running_loop().time()
         await producer.add(stream, req(1))
         await until(lambda: len(seen) == 1)
-        assert seen[0][1] - sent < 0.5  # the block ended on the entry, not at its timeout
-        await asyncio.sleep(1.5)  # idle again: blocking up to 1 s
+        assert seen[0][1] - sent < 5.0  # the block (by now over a second long) ended on the entry
+        await asyncio.sleep(1.5)  # idle again: a block of seconds in flight
         t0 = asyncio.get_running_loop().time()
         c.stop()
         await asyncio.wait_for(task, timeout=5)
-        assert asyncio.get_running_loop().time() - t0 < 0.3  # the blocked read was cancelled, not waited out
+        assert asyncio.get_running_loop().time() - t0 < 5.0  # the blocked read was cancelled, not waited out
         await c.close()
         await producer.add(stream, req(2))  # nothing was lost by the cancelled read: a new consumer reads on
         c2 = consumer(r, stream, "c1", handle, block_ms=20)

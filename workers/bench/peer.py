@@ -42,6 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -96,14 +97,51 @@ def peer_names(text: str) -> list[str]:
 
 # -- the zero-time engine shim ---------------------------------------------------------------------------------
 
+_MODELS = json.dumps({"object": "list", "data": [
+    {"id": MODEL, "object": "model", "created": 0, "owned_by": "rackflow-shim"}]}).encode()
+
+
+@dataclass(frozen=True)
+class _ShimAnswer:
+    """What the shim answers to one completion body: `status` and `body` (JSON) when it is not a stream, else the
+    `n` token chunks (`token`) and the closing chunk (`last`) of an SSE stream."""
+
+    status: int
+    body: bytes = b""
+    n: int = 0
+    token: bytes = b""
+    last: bytes = b""
+
+
+def _shim_answer(raw: bytes, rid: str) -> _ShimAnswer:
+    """The zero-time completion of `raw` (both shims: the FastAPI app and the bare ASGI callable answer alike)."""
+    try:
+        body = json.loads(raw)
+        n = int(body.get("max_tokens") or 16)
+        model = str(body.get("model") or MODEL)
+    except (ValueError, TypeError, AttributeError) as e:
+        return _ShimAnswer(400, json.dumps({"error": {"message": f"bad request: {e}",
+                                                       "code": "invalid_request"}}).encode())
+    created = int(time.time())
+
+    def choice(text: str, finish: str | None) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+    if not body.get("stream"):
+        out = choice(TOKEN * n, "length")
+        out["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+        return _ShimAnswer(200, json.dumps(out).encode())
+    return _ShimAnswer(200, n=n, token=f"data: {json.dumps(choice(TOKEN, None))}\n\n".encode(),
+                       last=f"data: {json.dumps(choice('', 'length'))}\n\ndata: [DONE]\n\n".encode())
+
+
 def shim_app() -> FastAPI:
     """The zero-time OpenAI-compatible engine: a FastAPI app with raw responses (no response models, no
     validation beyond what a completion needs), so that what it costs is the HTTP stack's."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     ids = itertools.count()
     pid = os.getpid()
-    models = json.dumps({"object": "list", "data": [
-        {"id": MODEL, "object": "model", "created": 0, "owned_by": "rackflow-shim"}]}).encode()
 
     @app.get("/health")
     async def health() -> Response:
@@ -111,35 +149,18 @@ def shim_app() -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return Response(models, media_type="application/json")
+        return Response(_MODELS, media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-            n = int(body.get("max_tokens") or 16)
-            model = str(body.get("model") or MODEL)
-        except (ValueError, TypeError, AttributeError) as e:
-            return Response(json.dumps({"error": {"message": f"bad request: {e}", "code": "invalid_request"}}),
-                            status_code=400, media_type="application/json")
-        rid = f"cmpl-{pid}-{next(ids)}"
-        created = int(time.time())
-
-        def choice(text: str, finish: str | None) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-        if not body.get("stream"):
-            out = choice(TOKEN * n, "length")
-            out["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            return Response(json.dumps(out), media_type="application/json")
-        token = f"data: {json.dumps(choice(TOKEN, None))}\n\n".encode()
-        last = f"data: {json.dumps(choice('', 'length'))}\n\ndata: [DONE]\n\n".encode()
+        a = _shim_answer(await request.body(), f"cmpl-{pid}-{next(ids)}")
+        if not a.token:
+            return Response(a.body, status_code=a.status, media_type="application/json")
 
         async def sse() -> AsyncIterator[bytes]:
-            for _ in range(n):
-                yield token
-            yield last
+            for _ in range(a.n):
+                yield a.token
+            yield a.last
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
@@ -151,8 +172,6 @@ def shim_asgi() -> Any:
     against FastAPI/Starlette, under the same server."""
     ids = itertools.count()
     pid = os.getpid()
-    models = json.dumps({"object": "list", "data": [
-        {"id": MODEL, "object": "model", "created": 0, "owned_by": "rackflow-shim"}]}).encode()
     json_h = [(b"content-type", b"application/json")]
     sse_h = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -174,7 +193,7 @@ def shim_asgi() -> Any:
         if method == "GET" and path == "/health":
             return await reply(send, 200, [], b"")
         if method == "GET" and path == "/v1/models":
-            return await reply(send, 200, json_h, models)
+            return await reply(send, 200, json_h, _MODELS)
         if method != "POST" or path != "/v1/completions":
             return await reply(send, 404, json_h, b'{"error": {"message": "not found"}}')
         raw = b""
@@ -183,30 +202,13 @@ def shim_asgi() -> Any:
             raw += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
-        try:
-            body = json.loads(raw)
-            n = int(body.get("max_tokens") or 16)
-            model = str(body.get("model") or MODEL)
-        except (ValueError, TypeError, AttributeError) as e:
-            err = json.dumps({"error": {"message": f"bad request: {e}", "code": "invalid_request"}}).encode()
-            return await reply(send, 400, json_h, err)
-        rid = f"cmpl-{pid}-{next(ids)}"
-        created = int(time.time())
-
-        def choice(text: str, finish: str | None) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-        if not body.get("stream"):
-            out = choice(TOKEN * n, "length")
-            out["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            return await reply(send, 200, json_h, json.dumps(out).encode())
-        token = f"data: {json.dumps(choice(TOKEN, None))}\n\n".encode()
-        last = f"data: {json.dumps(choice('', 'length'))}\n\ndata: [DONE]\n\n".encode()
+        a = _shim_answer(raw, f"cmpl-{pid}-{next(ids)}")
+        if not a.token:
+            return await reply(send, a.status, json_h, a.body)
         await send({"type": "http.response.start", "status": 200, "headers": sse_h})
-        for _ in range(n):
-            await send({"type": "http.response.body", "body": token, "more_body": True})
-        await send({"type": "http.response.body", "body": last})
+        for _ in range(a.n):
+            await send({"type": "http.response.body", "body": a.token, "more_body": True})
+        await send({"type": "http.response.body", "body": a.last})
 
     return app
 

@@ -270,9 +270,7 @@ class HealthAgent:
     def idle_interval_s(self) -> float:
         """The longest pause between two samples of a quiet, idle node (`worker.idle_status_interval_ms`, capped at
         a third of `node_selection.stale_ms`), never shorter than `health.interval_ms`."""
-        pol = self.config.policies
-        cap = min(float(pol.worker.idle_status_interval_ms), pol.node_selection.stale_ms / 3.0) / 1000.0
-        return max(self.interval_s, cap)
+        return max(self.interval_s, self.config.policies.idle_pace_ms() / 1000.0)
 
     def quiet(self, ev: HealthEvent, prev: HealthEvent | None) -> bool:
         """Nothing to watch closely: the GPUs idle (utilization under 1%), no new Xid, ECC or NVLink error since

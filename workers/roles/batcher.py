@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 import uuid
 
 from pipeline.batching.ledger import ReservationLedger
@@ -28,7 +26,7 @@ from streams import keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers.shell import metrics, tracing
 from workers.shell.runtime import WALL, consumer_name, log_context
-from workers.stores.cluster_view import ClusterView
+from workers.stores.cluster_view import ClusterView, PacedRefresh
 from workers.stores.etcd import NodeRegistry
 from workers.stores.prefix_feed import PrefixFeed
 from workers.stores.results import ResultWriter, error_result
@@ -38,9 +36,6 @@ log = logging.getLogger(__name__)
 IDLE_WAKE_S = 2.0
 """While the window is empty the tick and room loops wait for an arrival (which wakes them at once), waking on their
 own only this often: an idle batcher does not poll."""
-IDLE_REFRESH_S = 2.0
-"""While no request arrives, the full view refresh (etcd's registry, every node's status) backs off from
-`node_selection.refresh_ms` to this; the first request after it finds the view refreshed before it is placed."""
 
 
 class Batcher:
@@ -71,10 +66,8 @@ class Batcher:
             retention_ms=retention_ms, accepts=(RequestEvent,),
         )
         self._lock = asyncio.Lock()
-        self._busy = False
-        """A request arrived since the last full refresh (the refresh keeps its fast pace)."""
-        self._refreshed = -math.inf
-        """When the view was last refreshed in full (time.monotonic())."""
+        self.paced = PacedRefresh(self._refresh, config.policies.node_selection.refresh_ms / 1000.0)
+        """The full view refresh, paced by traffic (backs off while no request comes)."""
         self._arrived = asyncio.Event()
         self._arrived_room = asyncio.Event()
         """Requests arrived: the room watch (`_room_loop`) starts watching."""
@@ -91,9 +84,7 @@ class Batcher:
         self.dispatched = 0
 
     async def _on_requests(self, deliveries: list[Delivery]) -> None:
-        self._busy = True
-        if time.monotonic() - self._refreshed > 2 * self.config.policies.node_selection.refresh_ms / 1000.0:
-            await self._refresh()  # idle until now: the view backed off, and a placement needs a fresh one
+        await self.paced.on_request()  # after an idle spell the view backed off: a placement needs a fresh one
         now = WALL.now_ms()
         async with self._lock:
             for d in deliveries:
@@ -235,28 +226,15 @@ class Batcher:
         await self.r.hset(keys.rack_status(self.rack), mapping={f"tokens:{self.actor}": str(tokens),
                                                                  f"ts:{self.actor}": str(WALL.now_ms())})
 
-    async def _refresh(self) -> None:
+    async def _refresh(self) -> bool:
         try:
             await self.view.refresh()
-            self._refreshed = time.monotonic()
             await self._publish_backlog()
             self._export_metrics()
+            return True
         except Exception as e:
             log.warning("rack %s: cluster view refresh failed: %s", self.rack, e)
-
-    async def _refresh_loop(self, stop: asyncio.Event) -> None:
-        """The full view refresh every `refresh_ms` while requests come; while none does, the interval doubles up to
-        `IDLE_REFRESH_S` (the next request refreshes first: `_on_requests`)."""
-        base = self.config.policies.node_selection.refresh_ms / 1000.0
-        interval = base
-        while not stop.is_set():
-            await self._refresh()
-            busy, self._busy = self._busy or bool(self.window.pending_count), False
-            interval = base if busy else min(max(base, IDLE_REFRESH_S), interval * 2)
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=interval)
-            except TimeoutError:
-                pass
+            return False
 
     async def _room_loop(self, stop: asyncio.Event) -> None:
         """While the window holds requests, re-read this rack's node statuses every `room_refresh_ms` and tick when
@@ -306,7 +284,7 @@ class Batcher:
     async def run(self, stop: asyncio.Event) -> int:
         await self.view.refresh()
         tasks = [
-            asyncio.create_task(self._refresh_loop(stop)),
+            asyncio.create_task(self.paced.run(stop, lambda: bool(self.window.pending_count))),
             asyncio.create_task(self._tick_loop(stop)),
             asyncio.create_task(self._room_loop(stop)),
             asyncio.create_task(self.consumer.run()),

@@ -12,8 +12,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
-import time
 
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
@@ -24,7 +22,7 @@ from streams import codec, keys
 from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
 from workers.shell import metrics, tracing
 from workers.shell.runtime import WALL, consumer_name, log_context
-from workers.stores.cluster_view import ClusterView
+from workers.stores.cluster_view import ClusterView, PacedRefresh
 from workers.stores.etcd import NodeRegistry
 from workers.stores.prefix_feed import PrefixFeed
 from workers.stores.results import ResultWriter, error_result
@@ -32,9 +30,6 @@ from workers.stores.results import ResultWriter, error_result
 log = logging.getLogger(__name__)
 
 
-IDLE_REFRESH_S = 2.0
-"""While no request arrives, the view refresh backs off from `node_selection.refresh_ms` to this; the first request
-after it finds the view refreshed before it is routed."""
 STOP_WAIT_S = 2.0
 """On stop, how long the batch in hand may take to finish before it is left pending for another router."""
 
@@ -63,18 +58,14 @@ class Router:
         )
         self.routed = 0
         self.serving = {m: config.racks_serving(m) for m in config.models}
-        self._busy = False
-        """A request arrived since the last refresh (the refresh keeps its fast pace)."""
-        self._refreshed = -math.inf
-        """When the view was last refreshed (time.monotonic())."""
+        self.paced = PacedRefresh(self._refresh, config.policies.node_selection.refresh_ms / 1000.0)
+        """The view refresh, paced by traffic (backs off while no request comes)."""
 
     async def _racks(self) -> dict[str, RackView]:
         return self.view.rack_views(WALL.now_ms())
 
     async def _on_requests(self, deliveries: list[Delivery]) -> None:
-        self._busy = True
-        if time.monotonic() - self._refreshed > 2 * self.config.policies.node_selection.refresh_ms / 1000.0:
-            await self._refresh()  # idle until now: the view backed off, and a route needs a fresh one
+        await self.paced.on_request()  # after an idle spell the view backed off: a route needs a fresh one
         now = WALL.now_ms()
         racks = await self._racks()
         views = dict(racks)
@@ -156,27 +147,14 @@ class Router:
             await self.results.write(e)
         self.routed += len(ids)
 
-    async def _refresh(self) -> None:
+    async def _refresh(self) -> bool:
         try:
             await self.view.refresh(with_backlog=True)
-            self._refreshed = time.monotonic()
             self._export_metrics()
+            return True
         except Exception as e:
             log.warning("router: cluster view refresh failed: %s", e)
-
-    async def _refresh_loop(self, stop: asyncio.Event) -> None:
-        """The view refresh every `refresh_ms` while requests come; while none does, the interval doubles up to
-        `IDLE_REFRESH_S` (the next request refreshes first: `_on_requests`)."""
-        base = self.config.policies.node_selection.refresh_ms / 1000.0
-        interval = base
-        while not stop.is_set():
-            await self._refresh()
-            busy, self._busy = self._busy, False
-            interval = base if busy else min(max(base, IDLE_REFRESH_S), interval * 2)
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=interval)
-            except TimeoutError:
-                pass
+            return False
 
     def _export_metrics(self) -> None:
         for rack, v in self.view.rack_views(WALL.now_ms()).items():
@@ -187,7 +165,7 @@ class Router:
         # the config in force, for `rackflow replay export` (an incident file carries the config it ran under)
         await self.r.set(keys.CONFIG, json.dumps(self.config.model_dump(mode="json")))
         await self.view.refresh(with_backlog=True)
-        refresh = asyncio.create_task(self._refresh_loop(stop))
+        refresh = asyncio.create_task(self.paced.run(stop))
         feed = asyncio.create_task(self.feed.run(stop))
         consume = asyncio.create_task(self.consumer.run())
         log.info("router ready (policy %s)", self.policy.name)

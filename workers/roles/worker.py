@@ -776,8 +776,7 @@ class Worker:
         base = float(pol.worker.status_interval_ms)
         if not self._idle():
             return base
-        cap = max(base, min(float(pol.worker.idle_status_interval_ms), pol.node_selection.stale_ms / 3.0))
-        return min(cap, self._beat_ms * 2.0)
+        return min(max(base, pol.idle_pace_ms()), self._beat_ms * 2.0)
 
     async def _heartbeat_loop(self, stop: asyncio.Event) -> None:
         """The worker's heartbeat: its status (HealthEvent on `rf:health` and the node's status hash, one round

@@ -7,8 +7,11 @@ is alive with state `active` AND its status is fresher than `stale_ms`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Mapping
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -210,3 +213,47 @@ class ClusterView:
                     + dw * load)
             out[r.name] = RackView(r.name, bool(active), float(load), float(work), len(active))
         return out
+
+
+IDLE_REFRESH_S = 2.0
+"""While no request arrives, a role's full view refresh backs off from `node_selection.refresh_ms` to this."""
+
+
+class PacedRefresh:
+    """A role's view refresh, paced by its traffic (the router's and each batcher's): every `base_s` while requests
+    come; while none does, the interval doubles up to `IDLE_REFRESH_S` (an idle role does not read etcd and every
+    node's status five times a second). The first request after an idle spell refreshes before it is placed
+    (`on_request`), so no decision is made on a view that backed off. `refresh` does the read and returns whether
+    it succeeded (it logs its own failures)."""
+
+    def __init__(self, refresh: Callable[[], Awaitable[bool]], base_s: float, idle_s: float = IDLE_REFRESH_S) -> None:
+        self._refresh = refresh
+        self.base_s = base_s
+        self.idle_s = max(base_s, idle_s)
+        self.busy = False
+        """A request arrived since the last refresh of the loop."""
+        self.refreshed = -math.inf
+        """When the view was last refreshed (time.monotonic())."""
+
+    async def refresh(self) -> None:
+        if await self._refresh():
+            self.refreshed = time.monotonic()
+
+    async def on_request(self) -> None:
+        """A request is about to be placed: refresh first when the view is older than two intervals (the loop backed
+        off, or fell behind)."""
+        self.busy = True
+        if time.monotonic() - self.refreshed > 2 * self.base_s:
+            await self.refresh()
+
+    async def run(self, stop: asyncio.Event, holding: Callable[[], bool] = lambda: False) -> None:
+        """Refresh until `stop`; `holding`: the role still holds requests (keeps the fast pace)."""
+        interval = self.base_s
+        while not stop.is_set():
+            await self.refresh()
+            busy, self.busy = self.busy or holding(), False
+            interval = self.base_s if busy else min(self.idle_s, interval * 2)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except TimeoutError:
+                pass

@@ -61,8 +61,9 @@ async def _execute(pipe: object, replies: set[int], scripts: dict[int, tuple[obj
                 again.execute_command("EVAL", script.script, *argv)  # type: ignore[attr-defined]
             for i, x in zip(missing, await again.execute(raise_on_error=False), strict=True):
                 out[i] = x
-            for script, _ in scripts.values():  # the next pipeline's EVALSHA finds them
-                await r.script_load(script.script)  # type: ignore[attr-defined]
+            bodies = {script.script for script, _ in scripts.values()}  # type: ignore[attr-defined]
+            for body in bodies:  # each once: the next pipeline's EVALSHA finds them
+                await r.script_load(body)
     for i, x in enumerate(out):
         if isinstance(x, Exception):
             if i not in replies:
