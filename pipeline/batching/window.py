@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import bisect
 import enum
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from pipeline.config import BatcherPolicy
 from pipeline.events import RequestEvent
@@ -33,6 +35,7 @@ from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 
 MAX_WAIT_CHECKS = 64
+_ORDER = operator.attrgetter("order")
 """Waiting requests a close asks their policy whether to keep waiting for a busy node (the rest are placed wherever
 there is room, or wait for the next close): bounds a close's cost under a long queue."""
 
@@ -41,13 +44,15 @@ class PendingRequest:
     """A request waiting in a window. `windows_waited` counts the windows closed since it was offered (plus any
     starting value), read off the batcher's close counter so a close costs nothing per waiting request."""
 
-    __slots__ = ("_at", "_base", "_counter", "enqueued_ms", "entry_id", "request")
+    __slots__ = ("_at", "_base", "_counter", "enqueued_ms", "entry_id", "order", "request")
 
     def __init__(self, request: RequestEvent, entry_id: str, enqueued_ms: float, windows_waited: int = 0) -> None:
         self.request = request
         self.entry_id = entry_id
         """Stream id of the request in the rack stream; acknowledged once the batch holding it is written."""
         self.enqueued_ms = enqueued_ms
+        self.order = (request.mem_est_kb, request.arrival_ms, request.request_id)
+        """The order a close places fresh requests in: smallest memory first, then the oldest."""
         self._base = windows_waited
         self._counter: list[int] | None = None
         self._at = 0
@@ -239,8 +244,16 @@ class WindowBatcher:
         self._closes[0] += 1
         rejections: list[Rejection] = []
         fresh: list[PendingRequest] = []
+        caps: dict[str, float] = {}
+        ages: dict[str | None, int] = {}
         for p in self._fresh:
-            cap = self._cap_for(p.request.model)
+            req = p.request
+            cap = caps.get(req.model)
+            if cap is None:
+                cap = caps[req.model] = self._cap_for(req.model)
+            age = ages.get(req.route_policy)
+            if age is None:
+                age = ages[req.route_policy] = self._age_for(req)
             if cap <= 0:
                 rejections.append(Rejection(p, f"no node of this rack serves model {p.request.model!r}"))
             elif p.request.mem_est_kb < 0:  # only a corrupt or hostile entry: it would make room that is not there
@@ -253,11 +266,11 @@ class WindowBatcher:
                         f"{cap / 1e6:.1f} GB for {p.request.model} in this rack; shorten the prompt or max_tokens",
                     )
                 )
-            elif p.windows_waited >= self._age_for(p.request):
+            elif p.windows_waited >= age:
                 self._to_aged(p)
             else:
                 fresh.append(p)
-        fresh.sort(key=lambda p: (p.request.mem_est_kb, p.request.arrival_ms, p.request.request_id))
+        fresh.sort(key=_ORDER)
         budgets = self.budgets(nodes)
         views = {n.name: n for n in nodes}
         reserved: str | None = None
@@ -316,6 +329,9 @@ class _Packing:
     """One close's placement state and its two steps, `place` and `commit` (the closures of `close` they were: a
     class makes no reference cycle per close, and the simulator runs with the cyclic collector off)."""
 
+    skip_known_misses: ClassVar[bool] = True
+    """Skip a request that `no_room` says finds no node (off only in the test that checks it changes nothing)."""
+
     def __init__(self, batcher: WindowBatcher, now_ms: float, budgets: dict[str, float],
                  views: dict[str, NodeView]) -> None:
         self.b = batcher
@@ -331,6 +347,20 @@ class _Packing:
         self.refused = False
         self.max_budget = max(budgets.values(), default=0.0)
         self.checks = 0
+        self.placed = 0
+        self.names = sorted(budgets)
+        """The nodes with a budget, by name (a close only lowers their budgets: the keys stay)."""
+        self._all_views: list[NodeView] | None = None
+        self.no_room: dict[tuple[str, bool], tuple[int, float]] = {}
+        """(model, held to the prefill horizon) -> (placements so far, memory) of the last request that found no node
+        with room: until the next placement, no request of that kind at least as large finds one either (a close with
+        thousands waiting behind full nodes, as in a flood, tries each of them once without this)."""
+
+    def all_views(self) -> list[NodeView]:
+        """The views of the nodes with a budget, by name, as placed so far in this close."""
+        if self._all_views is None:
+            self._all_views = [self.views[n] for n in self.names]
+        return self._all_views
 
     def place(self, p: PendingRequest) -> bool:
         """Try to put one request on a node; True when placed."""
@@ -344,17 +374,22 @@ class _Packing:
         late = b._late(pname) and p.windows_waited < b.policy.late_age_after_windows
         if late:
             binds = getattr(pol, "late_binds", None)
-            if binds is not None and not binds([views[n] for n in sorted(budgets)], req):
+            if binds is not None and not binds(self.all_views(), req):
                 late = False  # the policy places this one at once (its prefix is cached somewhere)
-        cands = [views[n] for n in sorted(budgets) if budgets[n] >= mem and b.serves(n, req.model)
-                 and (not late or not horizon or views[n].prefill_tokens < horizon)]
+        late_h = late and bool(horizon)
+        miss = self.no_room.get((req.model, late_h)) if self.skip_known_misses else None
+        if miss is not None and miss[0] == self.placed and mem >= miss[1]:
+            return False  # nothing placed since a request of this model as small found no node: neither will this one
+        cands = [views[n] for n in self.names if budgets[n] >= mem and b.serves(n, req.model)
+                 and (not late_h or views[n].prefill_tokens < horizon)]
         if not cands:
+            self.no_room[(req.model, late_h)] = (self.placed, mem)
             return False
         waits = getattr(pol, "waits_for", None)
         # a request may wait here for a node that cannot take it now (its prefix is cached there) while it stays
         # free to go anywhere; the policy says for how long (asked for the first MAX_WAIT_CHECKS of a close)
         if waits is not None and self.checks < MAX_WAIT_CHECKS and len(cands) < len(
-                everyone := [views[n] for n in sorted(budgets) if b.serves(n, req.model)]):
+                everyone := [views[n] for n in self.names if b.serves(n, req.model)]):
             self.checks += 1
             if waits(everyone, cands, req, self.now_ms - p.enqueued_ms):
                 return False
@@ -387,12 +422,14 @@ class _Packing:
         req = p.request
         mem = req.mem_est_kb
         self.plans.setdefault(node, []).append(p)
+        self.placed += 1
         budgets[node] -= mem
         slots[node] -= 1
         if slots[node] <= 0:
             budgets[node] = 0.0
         self.max_budget = max(budgets.values(), default=0.0)
         self.views[node] = self.views[node].with_placed(mem, req.in_tokens)
+        self._all_views = None
         pol.observe(node, req)
 
 

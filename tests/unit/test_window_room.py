@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from pipeline.batching.ledger import ReservationLedger
-from pipeline.batching.window import CloseReason, WindowBatcher
+from pipeline.batching.window import CloseReason, WindowBatcher, _Packing
 from pipeline.config import BatcherPolicy, WorkAwareParams
 from pipeline.routing.prefix_index import BlockIndex
 from pipeline.routing.registry import NodePolicySet, PolicyContext
@@ -138,3 +141,59 @@ def test_work_aware_holds_only_requests_cached_nowhere_smallest_first_until_they
         assert b.close(float(k), busy).waiting == 1
     out = b.close(10.0, busy)  # its third window
     assert out.waiting == 0 and [q.request.request_id for plan in out.plans for q in plan.requests] == ["big"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 3000), st.sampled_from(["m", "m", "x", "other"]),
+                             st.booleans(), st.integers(0, 50)), min_size=1, max_size=60),
+    views=st.lists(st.tuples(st.sampled_from([0, 4000, 9000, 20_000]), st.integers(0, 600), st.integers(0, 5)),
+                   min_size=2, max_size=2),
+    horizon=st.sampled_from([0, 8192]),
+    late_binding=st.sampled_from(["none", "policy", "all"]),
+    b_serves=st.sampled_from(["m", "x"]),
+)
+@example(sizes=[(10, 100, "m", False, 0), (20, 100, "m", True, 0)], views=[(9000, 500, 1), (9000, 500, 1)],
+         horizon=8192, late_binding="policy", b_serves="m")
+@example(sizes=[(5, 100, "m", False, 0), (100, 100, "m", False, 1), (10, 100, "m", False, 2)],
+         views=[(9000, 50, 1), (9000, 500, 1)],
+         horizon=8192, late_binding="policy", b_serves="x")
+def test_skipping_requests_known_to_find_no_node_changes_no_close(
+    sizes: list[tuple[int, int, str, bool, int]], views: list[tuple[int, int, int]], horizon: int, late_binding: str,
+    b_serves: str,
+) -> None:
+    """A close remembers, per model and per hold, the smallest request that found no node since its last placement,
+    and skips the larger ones until something is placed (a flood holds thousands behind full nodes: each close tried
+    every one of them). The closes are the same with and without the shortcut: the same plans, the same choices,
+    the same requests left waiting, over a sequence of closes with cached prefixes, two models and aged requests.
+    The examples: a held request's miss must not skip a later one that is not held (its prefix is cached), and an
+    aged request too large for the nodes of its model must not skip a smaller one after it (aged ones go oldest
+    first)."""
+    blocks = BlockIndex()
+    blocks.stored("a", tuple(range(8)))
+
+    def run(skip: bool) -> list[Any]:
+        _Packing.skip_known_misses = skip
+        try:
+            b = WindowBatcher(BatcherPolicy(late_binding=late_binding, max_queued_prefill_tokens=horizon,
+                                            late_age_after_windows=3, age_after_windows=3),
+                              NodePolicySet(node_selection(policy="work_aware"), 0, "r0", {}, 16,
+                                            context=PolicyContext(block_tokens=16, blocks=blocks)),
+                              {"a": 500.0, "b": 500.0}, node_models={"a": frozenset({"m"}), "b": frozenset({b_serves})})
+            for i, (mem, tokens, model, cached, t) in enumerate(sizes):
+                b.offer(pending(request(request_id=f"q{i}", mem_est_kb=float(mem), in_tokens=tokens, model=model,
+                                        arrival_ms=float(t), prefix_hashes=tuple(range(4)) if cached else ()),
+                                enqueued_ms=float(t)))
+            nodes = [node_view(n, prefill_tokens=p, kv_free_kb=float(free), max_seqs=4, running=run_)
+                     for n, (p, free, run_) in zip(("a", "b"), views, strict=True)]
+            seen = []
+            for k in range(5):
+                out = b.close(100.0 * (k + 1), nodes)
+                seen.append(([(plan.node, [q.request.request_id for q in plan.requests],
+                               [(c.node, c.request_ids) for c in plan.choices]) for plan in out.plans],
+                             sorted(p.request.request_id for p in b.pending), [r.reason for r in out.rejections]))
+            return seen
+        finally:
+            _Packing.skip_known_misses = True
+
+    assert run(True) == run(False)
