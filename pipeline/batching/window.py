@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import enum
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -36,6 +36,7 @@ from pipeline.routing.views import NodeView
 
 MAX_WAIT_CHECKS = 64
 _ORDER = operator.attrgetter("order")
+_LateBinds = Callable[[Sequence[NodeView], RequestEvent], bool]
 """Waiting requests a close asks their policy whether to keep waiting for a busy node (the rest are placed wherever
 there is room, or wait for the next close): bounds a close's cost under a long queue."""
 
@@ -158,6 +159,8 @@ class WindowBatcher:
     _aged_mems: list[float] = field(default_factory=list)
     _closes: list[int] = field(default_factory=lambda: [0])
     _seq: int = 0
+    _fresh_min: float = float("inf")
+    """The smallest memory estimate in `_fresh` (kept on offer and close: a close leaves them sorted by it)."""
 
     @property
     def pending(self) -> list[PendingRequest]:
@@ -173,6 +176,8 @@ class WindowBatcher:
             self.window_open_ms = req.enqueued_ms
         req._attach(self._closes)
         self._fresh.append(req)
+        if req.request.mem_est_kb < self._fresh_min:
+            self._fresh_min = req.request.mem_est_kb
 
     def serves(self, node: str, model: str) -> bool:
         return self.node_models is None or model in self.node_models.get(node, frozenset())
@@ -204,7 +209,7 @@ class WindowBatcher:
         return not late or not horizon or n.prefill_tokens < horizon
 
     def _smallest_pending(self) -> float:
-        fresh = min((p.request.mem_est_kb for p in self._fresh), default=float("inf"))
+        fresh = self._fresh_min
         return min(fresh, self._aged_mems[0]) if self._aged_mems else fresh
 
     def close_reason(self, now_ms: float, nodes: Sequence[NodeView]) -> CloseReason:
@@ -307,6 +312,7 @@ class WindowBatcher:
             if not place(p):
                 left_fresh.append(p)
         self._fresh = left_fresh
+        self._fresh_min = left_fresh[0].request.mem_est_kb if left_fresh else float("inf")
         out = tuple(
             BatchPlan(
                 node, tuple(reqs), sum(q.request.mem_est_kb for q in reqs), opening_budget[node],
@@ -348,6 +354,9 @@ class _Packing:
         self.max_budget = max(budgets.values(), default=0.0)
         self.checks = 0
         self.placed = 0
+        self.routes: dict[str, tuple[str, NodePolicy, bool, _LateBinds | None]] = {}
+        """Per route policy asked for: the policy's name, the policy, whether it binds late, its `late_binds`."""
+        self.late_age = batcher.policy.late_age_after_windows
         self.names = sorted(budgets)
         """The nodes with a budget, by name (a close only lowers their budgets: the keys stay)."""
         self._all_views: list[NodeView] | None = None
@@ -369,13 +378,16 @@ class _Packing:
         mem = req.mem_est_kb
         if mem > self.max_budget:
             return False
-        pname = b.policies.resolve(req.route_policy)
-        pol = b.policies.get(pname)
-        late = b._late(pname) and p.windows_waited < b.policy.late_age_after_windows
-        if late:
-            binds = getattr(pol, "late_binds", None)
-            if binds is not None and not binds(self.all_views(), req):
-                late = False  # the policy places this one at once (its prefix is cached somewhere)
+        route = self.routes.get(req.route_policy)
+        if route is None:
+            pname = b.policies.resolve(req.route_policy)
+            pol = b.policies.get(pname)
+            route = self.routes[req.route_policy] = (pname, pol, b._late(pname), getattr(pol, "late_binds", None))
+        pname, pol, late, binds = route
+        if late and p.windows_waited >= self.late_age:
+            late = False
+        if late and binds is not None and not binds(self.all_views(), req):
+            late = False  # the policy places this one at once (its prefix is cached somewhere)
         late_h = late and bool(horizon)
         miss = self.no_room.get((req.model, late_h)) if self.skip_known_misses else None
         if miss is not None and miss[0] == self.placed and mem >= miss[1]:
