@@ -149,6 +149,21 @@ class StreamProducer:
             )
         )
 
+    async def add_with(self, first: tuple[str, Event],
+                       rest: Iterable[tuple[str, Event]]) -> tuple[str, Exception | None]:
+        """Append `first`, then `rest`, in one round trip, in that order. Returns the first entry's id and the first
+        error among `rest` (None when every one was written): the caller books `first` as written either way. An
+        error on `first` itself raises (it was not written); so does a lost connection (nothing is known)."""
+        minid = minid_for(self.now_ms(), self.retention_ms)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(first[0], codec.encode(first[1]), minid=minid, approximate=True)  # type: ignore[arg-type]
+        for stream, event in rest:
+            pipe.xadd(stream, codec.encode(event), minid=minid, approximate=True)  # type: ignore[arg-type]
+        replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        return _s(replies[0]), next((x for x in replies[1:] if isinstance(x, Exception)), None)
+
     async def add_many(self, items: Iterable[tuple[str, Event | dict[bytes, bytes]]]) -> list[str]:
         """Append many entries in one round trip; an item is an event, or entry fields already encoded."""
         minid = minid_for(self.now_ms(), self.retention_ms)

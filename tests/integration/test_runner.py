@@ -295,3 +295,27 @@ def test_an_idle_consumer_blocks_longer_yet_takes_an_entry_at_once_and_stops_at_
         await r.aclose()
 
     run(body())
+
+
+def test_add_with_writes_the_first_entry_then_the_rest_and_says_which_failed(clean_services):  # type: ignore[no-untyped-def]
+    """The batcher writes a batch and its dispatch decisions in one round trip (`StreamProducer.add_with`). The first
+    entry is written first and its id returned; a failure among the rest is returned beside it, not raised, because
+    the first entry is out (the batcher books the batch as dispatched); a failure of the first entry raises, and
+    nothing after it is lost track of."""
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        first, rest, wrong = (f"rf:test:{uuid.uuid4().hex}" for _ in range(3))
+        await r.set(wrong, "not a stream")
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        entry, err = await producer.add_with((first, req(0)), [(rest, req(1)), (rest, req(2))])
+        assert err is None and [e[0].decode() for e in await r.xrange(first)] == [entry]
+        assert [codec.decode(f).request_id for _i, f in await r.xrange(rest)] == ["req-1", "req-2"]  # type: ignore[union-attr]
+        entry2, err2 = await producer.add_with((first, req(3)), [(wrong, req(4)), (rest, req(5))])
+        assert err2 is not None and "WRONGTYPE" in str(err2)
+        assert [e[0].decode() for e in await r.xrange(first)] == [entry, entry2]
+        assert await r.xlen(rest) == 3  # the entry after the failed one is written too
+        with pytest.raises(Exception, match="WRONGTYPE"):
+            await producer.add_with((wrong, req(6)), [(rest, req(7))])
+        await r.aclose()
+
+    run(body())

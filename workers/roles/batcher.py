@@ -148,21 +148,21 @@ class Batcher:
                         requests=requests, mem_est_kb=plan.mem_est_kb,
                         mem_budget_kb=plan.budget_kb, window_open_ms=window_open, created_ms=now,
                     )
-                    entry_id = await self.producer.add(keys.node_batches(plan.node), batch)
-                    sent += 1
-                    self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests),
-                                       sum(p.request.in_tokens for p in plan.requests))
-                    await self.producer.add_many(
-                        (keys.DECISIONS, DecisionEvent(
+                    # the batch entry and its dispatch decisions in one round trip, the batch first: a batch that
+                    # was not written raises here and goes back to the window below; one that was is dispatched
+                    # (booked and acknowledged) even when a decision record after it failed, which then raises
+                    entry_id, decision_error = await self.producer.add_with(
+                        (keys.node_batches(plan.node), batch),
+                        ((keys.DECISIONS, DecisionEvent(
                             kind="dispatch", policy=c.policy, choice=c.node, request_ids=c.request_ids, ts_ms=now,
                             scores=dict(c.scores), draw=c.draw, batch_id=batch.batch_id, rack=self.rack,
                             actor=self.actor,
-                        ))
-                        for c in plan.choices
+                        )) for c in plan.choices),
                     )
-                    ids = [p.entry_id for p in plan.requests]
-                    self._to_ack.extend(ids)  # acked below, and again next tick if the ack fails
-                    await self._ack_dispatched()
+                    sent += 1
+                    self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests),
+                                       sum(p.request.in_tokens for p in plan.requests))
+                    self._to_ack.extend(p.entry_id for p in plan.requests)  # acked after the plans (next tick if not)
                     self.batches += 1
                     self.dispatched += len(plan.requests)
                     metrics.BATCHES.labels(self.rack, plan.node, plan.choices[0].policy if plan.choices else "").inc()
@@ -175,6 +175,9 @@ class Batcher:
                             log.debug("rack %s: batch %s -> %s: %d requests, %.1f%% of budget (%s)", self.rack,
                                       batch.batch_id, plan.node, len(plan.requests), 100 * plan.utilisation,
                                       reason.value)
+                    if decision_error is not None:  # the batch is out but its decision record is not: the close stops
+                        raise decision_error
+                await self._ack_dispatched()  # every plan's requests in one XACK
                 for rej in outcome.rejections:
                     metrics.REJECTED.labels(self.rack).inc()
                     await self.results.write(error_result(rej.pending.request, rej.reason, rack=self.rack))
