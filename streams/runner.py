@@ -17,6 +17,7 @@ It never decides what an event means: that is the handler's job.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -154,18 +155,22 @@ class StreamProducer:
         """Append `first`, then `rest`, in one round trip, in that order. Returns the first entry's id and the first
         error among `rest` (None when every one was written): the caller books `first` as written either way. An
         error on `first` itself raises (it was not written); so does a lost connection (nothing is known)."""
-        minid = minid_for(self.now_ms(), self.retention_ms)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(first[0], codec.encode(first[1]), minid=minid, approximate=True)  # type: ignore[arg-type]
-        for stream, event in rest:
-            pipe.xadd(stream, codec.encode(event), minid=minid, approximate=True)  # type: ignore[arg-type]
-        replies = await pipe.execute(raise_on_error=False)
+        replies = await self._xadd_all(itertools.chain((first,), rest))
         if isinstance(replies[0], Exception):
             raise replies[0]
         return _s(replies[0]), next((x for x in replies[1:] if isinstance(x, Exception)), None)
 
     async def add_many(self, items: Iterable[tuple[str, Event | dict[bytes, bytes]]]) -> list[str]:
-        """Append many entries in one round trip; an item is an event, or entry fields already encoded."""
+        """Append many entries in one round trip; an item is an event, or entry fields already encoded. The first
+        error raises (after the round trip: the entries around it are written)."""
+        replies = await self._xadd_all(items)
+        for x in replies:
+            if isinstance(x, Exception):
+                raise x
+        return [_s(x) for x in replies]
+
+    async def _xadd_all(self, items: Iterable[tuple[str, Event | dict[bytes, bytes]]]) -> list[Any]:
+        """XADD each item in one pipelined round trip, in order; each reply an id or the error it got."""
         minid = minid_for(self.now_ms(), self.retention_ms)
         pipe = self.r.pipeline(transaction=False)
         n = 0
@@ -175,7 +180,7 @@ class StreamProducer:
             n += 1
         if not n:
             return []
-        return [_s(x) for x in await pipe.execute()]
+        return list(await pipe.execute(raise_on_error=False))
 
 
 async def last_delivered(r: aioredis.Redis, stream: str, group: str) -> str:

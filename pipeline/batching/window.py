@@ -35,10 +35,10 @@ from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 
 MAX_WAIT_CHECKS = 64
-_ORDER = operator.attrgetter("order")
-_LateBinds = Callable[[Sequence[NodeView], RequestEvent], bool]
 """Waiting requests a close asks their policy whether to keep waiting for a busy node (the rest are placed wherever
 there is room, or wait for the next close): bounds a close's cost under a long queue."""
+_ORDER = operator.attrgetter("order")
+_LateBinds = Callable[[Sequence[NodeView], RequestEvent], bool]
 
 
 class PendingRequest:
@@ -250,7 +250,7 @@ class WindowBatcher:
         rejections: list[Rejection] = []
         fresh: list[PendingRequest] = []
         caps: dict[str, float] = {}
-        ages: dict[str | None, int] = {}
+        ages: dict[str, int] = {}
         for p in self._fresh:
             req = p.request
             cap = caps.get(req.model)
@@ -353,17 +353,17 @@ class _Packing:
         self.refused = False
         self.max_budget = max(budgets.values(), default=0.0)
         self.checks = 0
-        self.placed = 0
         self.routes: dict[str, tuple[str, NodePolicy, bool, _LateBinds | None]] = {}
         """Per route policy asked for: the policy's name, the policy, whether it binds late, its `late_binds`."""
         self.late_age = batcher.policy.late_age_after_windows
         self.names = sorted(budgets)
         """The nodes with a budget, by name (a close only lowers their budgets: the keys stay)."""
         self._all_views: list[NodeView] | None = None
-        self.no_room: dict[tuple[str, bool], tuple[int, float]] = {}
-        """(model, held to the prefill horizon) -> (placements so far, memory) of the last request that found no node
-        with room: until the next placement, no request of that kind at least as large finds one either (a close with
-        thousands waiting behind full nodes, as in a flood, tries each of them once without this)."""
+        self.no_room: dict[tuple[str, bool], float] = {}
+        """(model, held to the prefill horizon) -> the smallest memory of a request of that kind that found no node
+        with room. A close only takes room (budgets, slots and the prefill horizon's room all shrink as it places), so
+        no request of that kind at least as large finds one later in the close either (a close with thousands waiting
+        behind full nodes, as in a flood, tried each of them without this)."""
 
     def all_views(self) -> list[NodeView]:
         """The views of the nodes with a budget, by name, as placed so far in this close."""
@@ -390,12 +390,12 @@ class _Packing:
             late = False  # the policy places this one at once (its prefix is cached somewhere)
         late_h = late and bool(horizon)
         miss = self.no_room.get((req.model, late_h)) if self.skip_known_misses else None
-        if miss is not None and miss[0] == self.placed and mem >= miss[1]:
-            return False  # nothing placed since a request of this model as small found no node: neither will this one
+        if miss is not None and mem >= miss:
+            return False  # a request of this kind as small found no node: neither will this one
         cands = [views[n] for n in self.names if budgets[n] >= mem and b.serves(n, req.model)
                  and (not late_h or views[n].prefill_tokens < horizon)]
         if not cands:
-            self.no_room[(req.model, late_h)] = (self.placed, mem)
+            self.no_room[(req.model, late_h)] = min(mem, miss) if miss is not None else mem
             return False
         waits = getattr(pol, "waits_for", None)
         # a request may wait here for a node that cannot take it now (its prefix is cached there) while it stays
@@ -434,7 +434,6 @@ class _Packing:
         req = p.request
         mem = req.mem_est_kb
         self.plans.setdefault(node, []).append(p)
-        self.placed += 1
         budgets[node] -= mem
         slots[node] -= 1
         if slots[node] <= 0:

@@ -162,9 +162,9 @@ def test_skipping_requests_known_to_find_no_node_changes_no_close(
     sizes: list[tuple[int, int, str, bool, int]], views: list[tuple[int, int, int]], horizon: int, late_binding: str,
     b_serves: str,
 ) -> None:
-    """A close remembers, per model and per hold, the smallest request that found no node since its last placement,
-    and skips the larger ones until something is placed (a flood holds thousands behind full nodes: each close tried
-    every one of them). The closes are the same with and without the shortcut: the same plans, the same choices,
+    """A close remembers, per model and per hold, the smallest request that found no node, and skips the larger ones
+    for the rest of the close, because placing only takes room (a flood holds thousands behind full nodes: each close
+    tried every one of them). The closes are the same with and without the shortcut: the same plans, the same choices,
     the same requests left waiting, over a sequence of closes with cached prefixes, two models and aged requests.
     The examples: a held request's miss must not skip a later one that is not held (its prefix is cached), and an
     aged request too large for the nodes of its model must not skip a smaller one after it (aged ones go oldest
