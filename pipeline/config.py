@@ -194,9 +194,10 @@ class ProfilingPolicy(_Strict):
     """Memory estimate: `shape` (KV bytes per token from the model shape, over prompt + output, times
     `shape_margin`; the default) or `seed` (the field report's in*200 + out*1500 KB)."""
     shape_margin: float = Field(default=1.0, gt=0, le=100)
-    """Multiplier of the `shape` estimate. 1.0 reserves exactly the KV a sequence holds when it ends: measured in the
-    simulator at saturation, KV use stays above 90% with no preemption (docs/SIMULATOR.md, window-batching); below 1
-    the batcher overcommits memory and the engines preempt."""
+    """Multiplier of the `shape` estimate. 1.0 reserves the KV a sequence holds when it ends at its expected output:
+    measured in the simulator at saturation, oracle-free, KV use peaks at 0.80-0.87 with no preemption (0.85-0.91
+    with at most 0.27% preempted at 0.9, which cost the decision matrix's Mooncake cells at 1.5x most of their
+    goodput: docs/SIMULATOR.md, window-batching); below 1 the batcher overcommits memory and the engines preempt."""
     token_rates: TokenRates = TokenRates()
     """Default rates of the fast token estimator (a model's own `token_rates` override them)."""
     prefix_block_tokens: int = Field(default=512, ge=16, le=65_536)
@@ -306,8 +307,14 @@ class WorkAwareParams(_Strict):
     now."""
     kv_soft_limit: float = Field(default=0.9, ge=0, lt=1)
     """KV use (reserved + this request, over capacity) above which a node is priced up for memory pressure."""
-    kv_weight_ms: float = Field(default=2000.0, ge=0, le=1e9)
-    """Cost added when the node would be full (linear from the soft limit to 100% KV use), ms."""
+    kv_weight_ms: float = Field(default=0.0, ge=0, le=1e9)
+    """Cost added when the node would be full (linear from the soft limit to 100% KV use), ms; 0 (the default): no
+    KV-pressure term. The batcher's memory budget already keeps a node's KV from overflowing, and the term priced the
+    memory estimate (the expected output, a cap at or above the true length without the oracle) in fixed
+    milliseconds next to predicted ones: measured oracle-free (`rackflow sim matrix`, docs/SIMULATOR.md), 2,000 ms
+    left 22 matrix shortfalls and 0 leaves 17 (Mooncake at 1.5x healthy: goodput 5.3 -> 8.4 req/s, the best; DeepSeek-R1
+    with a node dying at 0.8x: P99 TTFT 1,056 -> 596 ms, the best 593) with no cell preempting more, and where memory
+    binds at saturation (`rackflow sim experiment window-batching`, 9x) the KV peak is 0.853 against 0.841."""
     use_slowdown: bool = True
     """Multiply a node's times by its measured slowdown (observed / modelled iteration time), the health term."""
     index: Literal["precise", "approximate"] = "precise"
@@ -392,9 +399,8 @@ class BatcherPolicy(_Strict):
     `policy` puts the default within 3% of the best goodput in 30 of 36 tuning cells (20 with `none` and the earlier
     constants) and of the best P99 TTFT in 22 of 27 (18); on the held-out conversation trace 11 of 12 and 9 of 9 (12
     and 9), on the held-out DeepSeek-R1 hour (added later, never tuned on) 8 of 12 and 4 of 9.
-    Where memory binds (`rackflow sim experiment window-batching`, Mooncake at saturation) the KV peak is 0.867
-    with 0 preempted (0.855 before). That peak moves with the node policy's constants by several points either way
-    (0.79-0.87 over the constants tried), as the hold and the policy decide how deep the engines' queues run."""
+    Where memory binds (`rackflow sim experiment window-batching`, Mooncake at saturation) the KV peak is 0.853
+    with 0 preempted (0.80-0.87 over four seeds and two rates)."""
     late_age_after_windows: int = Field(default=40, ge=1, le=10_000)
     """A late-bound request held this many windows ages: it is placed first, oldest first, and no longer waits for
     a node under its prefill horizon (the bound on how long shortest-first can hold a long prompt back). Tuned on

@@ -185,12 +185,14 @@ def test_work_aware_gives_a_slow_node_work_in_proportion_to_its_speed() -> None:
                                                                           slowdown=1.5)], r).node == "slow"
 
 
-def test_work_aware_prices_memory_pressure_above_the_soft_limit() -> None:
-    pol = work_aware(others_weight=0.0, e2e_weight=0.0)
+def test_work_aware_prices_memory_pressure_above_the_soft_limit_only_when_asked() -> None:
     r = long_req(1, mem_est_kb=1000.0)
     full = node_view("full", kv_capacity_kb=100_000.0, kv_free_kb=2_000.0)  # 99% used after this request
     roomy = node_view("roomy", kv_capacity_kb=100_000.0, kv_free_kb=60_000.0, prefill_tokens=4096)
-    assert pol.choose([full, roomy], r).node == "roomy"
+    assert work_aware(others_weight=0.0, e2e_weight=0.0, kv_weight_ms=2000.0).choose([full, roomy], r).node == "roomy"
+    # off by default (WorkAwareParams.kv_weight_ms): the node that starts it first, the batcher's budget keeping
+    # its memory
+    assert work_aware(others_weight=0.0, e2e_weight=0.0).choose([full, roomy], r).node == "full"
 
 
 def test_work_aware_waits_for_its_busy_node_only_while_no_node_would_idle_and_not_too_long() -> None:

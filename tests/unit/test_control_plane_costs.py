@@ -126,12 +126,14 @@ BEFORE = "613f1534422b80c2095c3183bca28abbe9dc37dbadb83ddc0aaefb848a178e14"
 
 def test_costs_off_is_the_simulator_as_before() -> None:
     # the rack share guard (router.share_bound), the in-flight batches in the node views (inflight_views), the
-    # late-binding hold and work_aware's e2e weight of 0.1 came later and change decisions on purpose: as then here
+    # late-binding hold, work_aware's e2e weight of 0.1 and its KV-pressure term off came later and change decisions on
+    # purpose: as then here
     raw = raw_config(DEFAULT_CONFIG_DIR)
     raw["cluster"] = _cfg().model_dump(mode="json")["cluster"]
     raw["policies"]["router"]["share_bound"] = 0.0
     raw["policies"].setdefault("batcher", {}).update(late_binding="none", max_queued_prefill_tokens=16384)
-    raw["policies"].setdefault("node_selection", {}).setdefault("work_aware", {})["e2e_weight"] = 0.3
+    wa = raw["policies"].setdefault("node_selection", {}).setdefault("work_aware", {})
+    wa.update(e2e_weight=0.3, kv_weight_ms=2000.0)
     cfg = parse_config(raw)
     res = Simulator(cfg, _reqs(1500, 20.0), _cost(cfg), params=SimParams(oracle=True, inflight_views=False),
                     faults=[Fault(20_000.0, "r0-n1", "death")]).run()

@@ -10,7 +10,7 @@ iteration time over the cost model's for the same iterations) and host-link use 
             + slot_weight x (expected wait for a sequence slot where the engine runs its most: slot_wait_ms)
     TPOT  = s x decode_step(D + 1 sequences, K + in KV tokens)
     cost  = (TTFT + e2e_weight x (out - 1) x TPOT + others_weight x D x s x prefill(u)) / (1 - pcie/100)
-            + kv_weight_ms x max(0, kv_after - kv_soft_limit) / (1 - kv_soft_limit)
+            + kv_weight_ms x max(0, kv_after - kv_soft_limit) / (1 - kv_soft_limit)     (kv_weight_ms 0 by default)
 
 - The prefill and decode times come from the node's calibrated cost model (`pipeline.costmodel`), so nodes of other
   GPU types in one rack are priced in their own milliseconds, not in request counts.
@@ -18,8 +18,9 @@ iteration time over the cost model's for the same iterations) and host-link use 
 - The seed's W = free/total x (1 - pcie/100) x exp(-0.05 x latency_ms) stays as the hardware-and-health term, with
   each factor made exact: exp(-0.05 x latency) becomes the measured slowdown s (raw step latency also grows with batch
   size and prompt length, which Q, D and K already count: measured in the simulator, the raw term made `weighted` the
-  worst policy on P99 TTFT at every load), free/total becomes the KV-pressure term, and (1 - pcie/100) divides the
-  whole cost.
+  worst policy on P99 TTFT at every load), free/total becomes the KV-pressure term (off by default: the batcher's memory
+  budget already keeps a node from overflowing, and priced in fixed milliseconds the term cost more cells of the
+  decision matrix than it won: `WorkAwareParams.kv_weight_ms`), and (1 - pcie/100) divides the whole cost.
 - Prefix hits come from the precise block index (the engines' own block events, `BlockIndex`) when one is attached,
   else from an approximate index learned from this policy's own dispatches (`PrefixIndex`, as `kv_aware` uses).
 - Deterministic (lowest cost, then fewer outstanding sequences, then name) by default; with `temperature_ms > 0` it
