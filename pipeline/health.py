@@ -170,6 +170,15 @@ class HeartbeatWatch:
             return self.gap_ms
         return max(self.gap_ms, 1.5 * min(self.announced[n] for n in self.last))
 
+    def idle_pace_ms(self, cap_ms: float = 250.0) -> float:
+        """How long a reader of the stream may let entries gather between two reads: 0 while any heard node beats
+        at the default rate; when every one announced a longer interval (an idle cluster), a quarter of the
+        shortest of them, at most `cap_ms`. Judged on the stream's clock, a late read never makes a node look
+        silent; it only delays a verdict by this much, and only while nothing runs."""
+        if not self.last or len(self.announced) < len(self.last):
+            return 0.0
+        return min(cap_ms, 0.25 * min(self.announced[n] for n in self.last))
+
     def limit_ms(self, node: str) -> float:
         """The silence after which `node` is missed: `timeout_ms`, stretched by the interval it announced."""
         a = self.announced.get(node)

@@ -17,9 +17,11 @@ It never decides what an event means: that is the handler's job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -268,6 +270,7 @@ class StreamConsumer:
         retention_ms: int = 86_400_000,
         accepts: tuple[type[Any], ...] | None = None,
         idle_block_ms: int | None = None,
+        pace_ms: Callable[[], float] | None = None,
     ) -> None:
         self.r = r
         self.stream = stream
@@ -292,6 +295,12 @@ class StreamConsumer:
         wakes every 2 s instead of every `block_ms` (an entry still ends the block at once; `stop` cancels it)."""
         self._block_ms = block_ms
         self._reading: asyncio.Future[Any] | None = None
+        self.pace_ms = pace_ms
+        """The least time between the starts of two reads that took entries, asked after each such read (None or
+        0: none). An owner whose stream carries only slow, steady traffic while its cluster is idle (heartbeats)
+        sets it, so entries that arrive meanwhile wait for the next read and come in one batch: one read and one
+        XACK for several entries instead of one each. A full read (`count` entries: a backlog) reads again at once,
+        and `stop` ends the wait."""
 
     # -- public ------------------------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -359,6 +368,7 @@ class StreamConsumer:
             start = _s(entries[-1][0])
 
     async def _read_new(self) -> None:
+        started = time.monotonic()
         read = asyncio.ensure_future(self.r.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=self.count, block=self._block_ms
         ))
@@ -374,7 +384,13 @@ class StreamConsumer:
             self._reading = None
         if resp:
             self._block_ms = self.block_ms
-            await self._process(resp[0][1], redelivered=False)
+            entries = resp[0][1]
+            await self._process(entries, redelivered=False)
+            pace = self.pace_ms() if self.pace_ms is not None and len(entries) < self.count else 0.0
+            wait = started + pace / 1000.0 - time.monotonic()
+            if wait > 0 and not self._stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), timeout=wait)
         else:
             self._block_ms = min(self.idle_block_ms, self._block_ms * 2)
 

@@ -297,6 +297,54 @@ def test_an_idle_consumer_blocks_longer_yet_takes_an_entry_at_once_and_stops_at_
     run(body())
 
 
+def test_a_paced_consumer_lets_entries_gather_but_reads_a_backlog_at_once_and_stops_at_once(clean_services):  # type: ignore[no-untyped-def]
+    """`pace_ms`: after a read that took entries, the next read waits until the pace has gone by since the last one
+    started (the monitor's idle heartbeats: a few reads a second instead of one per entry). A full read (a backlog)
+    reads again at once, and `stop` ends the wait. The pace is 30 s here: the bounds below hold on a busy machine and
+    fail if a wait were skipped (entries read early) or always waited out (a backlog, a stop)."""
+
+    async def body() -> None:
+        r = aioredis.Redis.from_url(clean_services.redis_url)
+        stream = f"rf:test:{uuid.uuid4().hex}"
+        producer = StreamProducer(r, WALL.now_ms, 3_600_000)
+        seen: list[str] = []
+        calls: list[int] = []
+
+        async def handle(ds: list[Delivery]) -> None:
+            calls.append(len(ds))
+            seen.extend(d.event.request_id for d in ds)  # type: ignore[union-attr]
+
+        c = StreamConsumer(r, stream, "g", "c1", handle, now_ms=WALL.now_ms, count=10, block_ms=20,
+                           pace_ms=lambda: 30_000.0)
+        task = asyncio.create_task(c.run())
+        await producer.add(stream, req(0))
+        await until(lambda: len(seen) == 1)
+        await producer.add_many((stream, req(i)) for i in range(1, 6))
+        await asyncio.sleep(1.0)
+        assert seen == ["req-0"]  # they wait for the next read, 30 s after the first
+        t0 = asyncio.get_running_loop().time()
+        c.stop()
+        await asyncio.wait_for(task, timeout=5)
+        assert asyncio.get_running_loop().time() - t0 < 5.0  # the stop ended the wait
+        await c.close()
+
+        # 25 entries waiting (5 never read, 20 more): reads of 10, 10 and 5, the full ones followed at once
+        await producer.add_many((stream, req(i)) for i in range(6, 26))
+        c2 = StreamConsumer(r, stream, "g", "c1", handle, now_ms=WALL.now_ms, count=10, block_ms=20,
+                            pace_ms=lambda: 30_000.0)
+        task = asyncio.create_task(c2.run())
+        await until(lambda: len(seen) == 26)
+        assert calls[1:] == [10, 10, 5]
+        assert seen == [f"req-{i}" for i in range(26)]
+        c2.stop()
+        await asyncio.wait_for(task, timeout=5)
+        await c2.close()
+        assert await pending_count(r, stream) == 0
+        await r.aclose()
+
+    run(body())
+
+
 def test_add_with_writes_the_first_entry_then_the_rest_and_says_which_failed(clean_services):  # type: ignore[no-untyped-def]
     """The batcher writes a batch and its dispatch decisions in one round trip (`StreamProducer.add_with`). The first
     entry is written first and its id returned; a failure among the rest is returned beside it, not raised, because

@@ -202,3 +202,46 @@ def test_idle_beaters_are_never_missed_while_they_beat(periods: list[int], phase
     for ts, n, every in events:
         w.observe(ts, n, every)
         assert w.missed() == []
+
+
+def test_a_reader_may_let_entries_gather_only_while_every_node_beats_at_its_idle_pace() -> None:
+    w = HeartbeatWatch(timeout_ms=800, interval_ms=200)
+    assert w.idle_pace_ms() == 0.0  # nobody heard yet
+    w.observe(0, "a", 1000.0)
+    w.observe(100, "b", 200.0)  # b works
+    assert w.idle_pace_ms() == 0.0
+    w.observe(200, "b", 600.0)  # both idle: a quarter of the shortest announced interval
+    assert w.idle_pace_ms() == 150.0
+    w.observe(900, "b", 2000.0)
+    assert w.idle_pace_ms() == 250.0  # at most the cap (a quarter of a's 1 s)
+    assert w.idle_pace_ms(cap_ms=100.0) == 100.0
+    w.observe(1000, "a", 200.0)  # a works again: read at once
+    assert w.idle_pace_ms() == 0.0
+
+
+@given(st.integers(min_value=2, max_value=8), st.integers(0, 999), st.integers(1, 30))
+def test_idle_beaters_read_in_paced_batches_are_never_missed_and_a_dead_one_is_within_a_pace(
+        count: int, phase: int, dies_after: int) -> None:
+    """The stream read in batches, each read `idle_pace_ms` after the last (the monitor's pacing): live idle nodes
+    are never missed, and a node that stops beating is missed at the first read after its stretched timeout has
+    gone by on the stream's clock (which moves with the other nodes' beats)."""
+    w = HeartbeatWatch(timeout_ms=800, interval_ms=200)
+    nodes = {f"n{i}": 1000.0 for i in range(count)}  # an idle cluster: every worker at the 1 s idle pace
+    dead = "n0"
+    death = dies_after * nodes[dead]
+    events = sorted((k * every + (i * 37 + phase) % 200, n, every) for i, (n, every) in enumerate(nodes.items())
+                    for k in range(int(40_000 // every)) if n != dead or k * every <= death)
+    read_at, i, missed_at = 0.0, 0, None
+    while i < len(events):
+        while i < len(events) and events[i][0] <= read_at:
+            w.observe(*events[i])
+            i += 1
+        gone = [n for n, _ in w.missed()]
+        assert set(gone) <= {dead}
+        if gone and missed_at is None:
+            missed_at = read_at
+        read_at += max(w.idle_pace_ms(), 1.0)
+    limit = 800.0 * nodes[dead] / 200.0
+    last_beat = max(t for t, n, _ in events if n == dead)
+    grain = max(every for n, every in nodes.items() if n != dead) + 200.0  # the clock's steps: the others' beats
+    assert missed_at is not None and last_beat + limit < missed_at <= last_beat + limit + grain + 250.0
