@@ -111,7 +111,7 @@ def openapi_schema(app: Any) -> dict[str, Any]:
     """FastAPI's schema of the app, with the request bodies and headers the gateway reads by hand."""
     from workers.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 
-    raw = copy.deepcopy(app.openapi())
+    raw = copy.deepcopy(app.fastapi.openapi())  # GatewayApp: FastAPI behind the hot path
     comps = raw.setdefault("components", {}).setdefault("schemas", {})
 
     def model_schema(model: Any) -> dict[str, Any]:

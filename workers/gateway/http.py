@@ -218,11 +218,12 @@ class _HotRoute:
 
 class _HotPath:
     """The two generation endpoints, answered straight from the ASGI call: `POST /v1/completions` and `POST
-    /v1/chat/completions` go to their handler without FastAPI's router, exception and exit-stack layers; everything
-    else goes to the FastAPI app. The handler reads and validates its body itself, so the answers are the same: an
-    `ApiError` becomes its 4xx/5xx JSON here, as the app's handler makes it, and anything else reaches
-    `_MetricsMiddleware` outside (a logged 500). Measured with a zero-time shim (docs/GUIDE.md, Benchmarks): a bare
-    ASGI callable costs 177 µs of server CPU per request on uvicorn, FastAPI 286 µs."""
+    /v1/chat/completions` go to their handler without FastAPI's application, middleware (server errors, telemetry,
+    body limit: the gateway bounds bodies itself, `gateway.max_body_bytes`), router, exception and exit-stack
+    layers; everything else goes to the FastAPI app. The handler reads and validates its body itself, so the answers
+    are the same: an `ApiError` becomes its 4xx/5xx JSON here, as the app's handler makes it, and anything else
+    reaches `_MetricsMiddleware` outside (a logged 500). Measured with a zero-time shim (docs/GUIDE.md, Benchmarks): a
+    bare ASGI callable costs 177 µs of server CPU per request on uvicorn, FastAPI 286 µs."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], api: _Api,
                  metrics: GatewayMetrics) -> None:
@@ -239,6 +240,7 @@ class _HotPath:
             return
         kind, route = hot
         scope["route"] = route
+        scope["app"] = self.app  # as FastAPI would set it (Request.app)
         try:
             response = await self.api.generate(Request(scope, receive), kind)
         except ApiError as exc:
@@ -666,7 +668,7 @@ class _Api(Edge):
 
 
 def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_auth: bool,
-               engine: str | None = None) -> FastAPI:
+               engine: str | None = None) -> GatewayApp:
     """The gateway's ASGI app. Raises AuthSetupError (a ConfigError) at once when auth is on but has no key.
 
     `etcd_url` is the sequence registry a job cancel finds the node of a running request in (without it, workers
@@ -720,8 +722,6 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
     app.state.api = api
     app.state.metrics = metrics
     app.state.etcd_url = etcd_url
-    app.add_middleware(_HotPath, api=api, metrics=metrics)  # inside the metrics middleware (added last: outermost)
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -779,7 +779,22 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return GatewayApp(app, api, metrics)
+
+
+class GatewayApp:
+    """The gateway's ASGI app as the server runs it: the metrics layer (`_MetricsMiddleware`: every answer counted
+    and timed, an unexpected exception a logged 500), then the hot path (`_HotPath`: the two generation endpoints),
+    then the FastAPI app for every other route and the lifespan. Outermost, the hot path skips FastAPI's own
+    middleware stack on every request and every SSE chunk (its server-error and metrics send wrappers)."""
+
+    def __init__(self, app: FastAPI, api: _Api, metrics: GatewayMetrics) -> None:
+        self.fastapi = app
+        self.state = app.state
+        self._asgi = _MetricsMiddleware(_HotPath(app, api, metrics), metrics)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._asgi(scope, receive, send)
 
 
 class _Server(uvicorn.Server):
