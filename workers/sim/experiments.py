@@ -150,7 +150,7 @@ def window_batching(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         table[name]["offered_rps"] = round(offered, 3)
         table[name]["saturated"] = offered > SATURATED_OVER * table[name]["steady_throughput_rps"]
     plot_compare({k: v for k, v in results.items() if "margin" not in k}, out / "window-batching.png",
-                 "fixed 32 vs memory-budget window (Mooncake, 6x)")
+                 f"fixed 32 vs memory-budget window (Mooncake, {args.rate_scale or SATURATION_RATE:g}x)")
 
     def col(key: str) -> dict[str, Any]:
         return {k: v[key] for k, v in table.items()}
