@@ -73,6 +73,22 @@ class PrefixCache:
             else:
                 stored.append(h)
             gpu[h] = None
+        removed = self._evict()
+        if self.listener is not None and (stored or removed):
+            self.listener(tuple(stored), tuple(removed))
+
+    def resize(self, gpu_blocks: int) -> None:
+        """The GPU tier now holds at most `gpu_blocks` (at least 1): the least recently used blocks beyond it move
+        down a tier, or are gone. For an engine whose cached blocks share its KV pool with the running sequences
+        (vLLM's), the room left for them moves with the sequences' KV."""
+        self.gpu_capacity = max(1, gpu_blocks)
+        if len(self.gpu) > self.gpu_capacity:
+            removed = self._evict()
+            if self.listener is not None and removed:
+                self.listener((), tuple(removed))
+
+    def _evict(self) -> list[int]:
+        gpu, host = self.gpu, self.host
         removed: list[int] = []
         while len(gpu) > self.gpu_capacity:
             h, _ = gpu.popitem(last=False)
@@ -83,8 +99,7 @@ class PrefixCache:
         while len(host) > self.host_capacity:
             h, _ = host.popitem(last=False)
             removed.append(h)
-        if self.listener is not None and (stored or removed):
-            self.listener(tuple(stored), tuple(removed))
+        return removed
 
     def clear(self) -> None:
         """The engine lost everything (a restart, a dead node)."""

@@ -99,6 +99,7 @@ class SimNode:
         preempted: set[int] | None = None,
         max_stretch_steps: int = 0,
         world: NodeWorld | None = None,
+        prefix_shares_kv: bool = False,
     ) -> None:
         self.name = name
         self.rack = rack
@@ -118,6 +119,10 @@ class SimNode:
         self.prefix_enabled = prefix_cache
         self.prefix = PrefixCache(max(1, kv_capacity_tokens // prefix_block_tokens), host_cache_blocks,
                                   block_listener)
+        self.prefix_shares_kv = prefix_shares_kv
+        """The cached blocks live in the KV pool that the running sequences use, as in vLLM (a block is cached while
+        it is free and not yet reused): the GPU tier holds what the sequences leave free, plus their own prefix
+        blocks. Off: the GPU tier holds the node's whole KV capacity in cached blocks besides the sequences."""
         self.host_ms_per_token = kv_bytes_per_token / (host_link_gbps * 1e6) if host_link_gbps > 0 else 0.0
         """Time to load one token's KV back from host memory (bytes / link bandwidth), ms."""
         self.prefill_backlog = 0
@@ -295,6 +300,8 @@ class SimNode:
         """(cached tokens, of which loaded from host memory) of a sequence being admitted."""
         if not self.prefix_enabled or not seq.prefix:
             return 0, 0
+        if self.prefix_shares_kv:
+            self._fit_prefix()
         hit = self.prefix.lookup(seq.prefix)
         if not hit.blocks:
             return 0, 0
@@ -306,7 +313,20 @@ class SimNode:
     def _prefix_insert(self, seq: SimSeq) -> None:
         if not self.prefix_enabled or not seq.prefix:
             return
+        if self.prefix_shares_kv:
+            self._fit_prefix(seq)
         self.prefix.insert(seq.prefix)
+
+    def _fit_prefix(self, inserting: SimSeq | None = None) -> None:
+        """Room for cached blocks in a shared pool: the KV the running sequences leave free, plus the prefix
+        blocks they hold themselves (cached and in use at once), `inserting`'s included (its prefill just ended:
+        it is in neither list for that moment, and its KV is still counted)."""
+        pb = self.prefix_block_tokens
+        held = sum(min(len(s.prefix) * pb, s.prompt) for s in self.prefilling)
+        if inserting is not None:
+            held += min(len(inserting.prefix) * pb, inserting.prompt)
+        held += sum(min(len(s.prefix) * pb, s.prompt) for s in self.decoding.values())
+        self.prefix.resize((self.capacity_tokens - self.kv_tokens + held) // pb)
 
     # -- scheduling ----------------------------------------------------------------------------------------------
     def _blocks(self, tokens: int) -> int:

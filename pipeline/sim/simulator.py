@@ -80,6 +80,9 @@ class SimParams:
     """`window` (memory-budget sliding window) or `fixed` (fixed batch of `fixed_batch` requests)."""
     fixed_batch: int = 32
     prefix_cache: bool = True
+    prefix_shares_kv: bool = False
+    """The engines' cached prefix blocks share the KV pool with their running sequences, as vLLM's do
+    (`SimNode.prefix_shares_kv`); off: a node caches its whole KV capacity in prefix blocks besides them."""
     host_prefix_cache: bool = True
     """Keep prefix blocks evicted from GPU memory in host memory (`policies.kv.host_prefix_gb_per_gpu`)."""
     util_bin_ms: float = 10_000.0
@@ -334,6 +337,7 @@ class Simulator:
             host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
             host_link_gbps=gpu.pcie_gbps / 2 * spec.tp, block_listener=events,
             util_bin_ms=self.params.util_bin_ms, preempted=self.preempted,
+            prefix_shares_kv=self.params.prefix_shares_kv,
         )
 
     # -- event plumbing --------------------------------------------------------------------------------------------

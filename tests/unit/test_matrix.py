@@ -231,7 +231,7 @@ def test_a_small_matrix_writes_what_the_acceptance_check_reads(tmp_path: Path) -
         users=50, no_progress=True, out=str(tmp_path / "out"), json=False)
     assert M.cmd_matrix(args) == 0
     d = json.loads((tmp_path / "out" / "matrix.json").read_text())
-    assert d["oracle"] is False and d["splits"] == {a: "tuning", b: "test"}
+    assert d["oracle"] is False and d["prefix_shares_kv"] is False and d["splits"] == {a: "tuning", b: "test"}
     assert d["policies"] == ["round_robin", d["default"]] and len(d["cells"]) == 4
     for c in d["cells"]:
         assert c["split"] == d["splits"][c["trace"]] and set(c["slo"]) == {"ttft_ms", "tpot_ms"}
@@ -268,3 +268,18 @@ def test_a_progress_bar_reaches_every_request_when_some_are_shed() -> None:
     assert 0 < sum(res.dropped) < 400
     assert seen and seen[-1] == (400, 400)
     assert all(settled <= 400 for _a, settled in seen)
+
+
+def test_prefix_shares_kv_reaches_every_job_and_the_json() -> None:
+    """`--prefix-shares-kv` (vLLM's pool: cached blocks only in the room the running sequences leave) goes into
+    every job's SimParams, and under round robin (placement blind to the cache) never raises the hit rate over the
+    separate cache's. The effect itself is tested on one node (test_sim_decisions.py)."""
+    mooncake = next(t for t in M.TRACES if t.fmt == "mooncake")
+    plan = M.TracePlan(mooncake, 600, 10.0, 20.0, 6000.0)
+    shared = {**COMMON, "prefix_shares_kv": True}
+    jobs, _ = M.build_jobs(shared, [plan], [1.0], ["healthy"], ["round_robin"], [SEED], "r0-n1")
+    assert jobs and all(j.prefix_shares_kv for j in jobs)
+    job = M.Job(**COMMON, trace=mooncake.path, fmt="mooncake", limit=600, seed=SEED, policy="round_robin",
+                rate_scale=4.0, faults=())
+    apart, pooled = M.run_job(job), M.run_job(dataclasses.replace(job, prefix_shares_kv=True))
+    assert 0.0 < pooled["prefix_hit_rate"] <= apart["prefix_hit_rate"]

@@ -104,3 +104,16 @@ def test_an_lru_as_large_as_the_trace_reaches_the_ideal_and_a_small_one_does_not
 
     assert lru(10_000) == ideal
     assert lru(4) < ideal
+
+
+def test_resize_evicts_the_least_recently_used_down_a_tier_and_reports_what_is_gone() -> None:
+    events: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    c = PrefixCache(gpu_blocks=4, host_blocks=1, listener=lambda s, r: events.append((s, r)))
+    c.insert([1, 2, 3, 4])  # tail first: 4 is the least recently used, 1 the most
+    c.resize(2)
+    assert set(c.gpu) == {1, 2} and set(c.host) == {3} and events[-1] == ((), (4,))
+    c.resize(0)  # never below one block
+    assert c.gpu_capacity == 1 and set(c.gpu) == {1}
+    n = len(events)
+    c.resize(8)  # growing evicts nothing and reports nothing
+    assert len(events) == n and c.gpu_capacity == 8

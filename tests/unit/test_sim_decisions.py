@@ -109,3 +109,27 @@ def test_work_aware_beats_round_robin_on_the_mooncake_trace() -> None:
     rr, wa = out["round_robin"], out["work_aware"]
     assert wa["prefix_hit_rate"] > 1.5 * rr["prefix_hit_rate"]
     assert wa["ttft_p99_ms"] < 0.5 * rr["ttft_p99_ms"] and wa["p99_ms"] < rr["p99_ms"]
+
+
+def test_a_shared_kv_pool_leaves_cached_prefixes_only_the_room_the_running_sequences_leave() -> None:
+    """vLLM keeps cached blocks in the pool its running sequences use: a running sequence's own KV beyond its prefix
+    blocks crowds out a finished prompt's blocks, which a cache of the node's whole capacity besides the sequences
+    would have kept."""
+    def cached(shares: bool) -> int:
+        n = node(kv_capacity_tokens=4096, block_size=16, prefix_shares_kv=shares)
+        n.submit(SimSeq(0, 1024, 1, 1.0, (1, 2)))  # 2 blocks, finished at once: cached
+        # 3,200 tokens, 2,560 of them in 5 prefix blocks: 896 tokens of the pool stay free, room for 1 more block
+        n.submit(SimSeq(1, 3200, 400, 1.0, (7, 8, 9, 10, 11)))
+        t, again = 0.0, False
+        while n.waiting or n.prefilling or n.decoding:
+            if n.decoding and not again:  # the first prompt again, while the long one decodes
+                n.submit(SimSeq(2, 1024, 1, 1.0, (1, 2)))
+                again = True
+            end = n.schedule(t)
+            assert end is not None
+            n.finish_phase(end)
+            t = end
+        return n.cached_tokens
+
+    assert cached(False) == 1023  # the whole prompt but its last token
+    assert cached(True) == 512  # its least recently used block (inserted first: the tail) was reused

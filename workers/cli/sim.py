@@ -31,7 +31,8 @@ def _common(args: argparse.Namespace, policy: str | None) -> tuple[RackflowConfi
     cfg = sim_config(Path(args.config_dir), [Path(p) for p in args.config], args.cluster, policy,
                      {"batcher": {"window_ms": args.window_ms}} if args.window_ms else None)
     params = SimParams(batching=args.batching, fixed_batch=args.fixed_batch, prefix_cache=not args.no_prefix_cache,
-                       control_plane=control_plane_costs(args, cfg), oracle=args.oracle)
+                       control_plane=control_plane_costs(args, cfg), oracle=args.oracle,
+                       prefix_shares_kv=args.prefix_shares_kv)
     return cfg, params
 
 
@@ -51,6 +52,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         out, res = run_once(cfg, reqs, params, parse_faults(args.faults), args.model, not args.no_progress)
         out["policy"] = cfg.policies.node_selection.policy
         out["trace"] = args.trace or "synthetic"
+        out["prefix_shares_kv"] = params.prefix_shares_kv
         if args.digest:
             out["digest"] = result_digest(res)
         if args.out:
@@ -284,6 +286,11 @@ def _flags() -> dict[str, dict[str, Any]]:
         default=None),
     "--no-prefix-cache": dict(
         action="store_true"),
+    "--prefix-shares-kv": dict(
+        action="store_true",
+        help="each engine's cached prefix blocks live in the KV pool its running sequences use, as vLLM's do "
+             "(room for them: what the sequences leave free); default: a cache of the node's whole KV capacity "
+             "besides them (docs/SIMULATOR.md, Known limits). The JSON says which ran (`prefix_shares_kv`)"),
     "--faults": dict(
         default=None,
         help="NODE@SECONDS:KIND[:DURATION_S[:FACTOR]],... "
@@ -339,7 +346,8 @@ def _flags() -> dict[str, dict[str, Any]]:
 
 TRACE_FLAGS = ["--trace", "--format", "--requests", "--model", "--rate-scale", "--superpose", "--users", "--zipf",
                "--shared-prefix-blocks", "--seed"]
-CLUSTER_FLAGS = ["--cluster", "--policy", "--batching", "--fixed-batch", "--window-ms", "--no-prefix-cache", "--faults"]
+CLUSTER_FLAGS = ["--cluster", "--policy", "--batching", "--fixed-batch", "--window-ms", "--no-prefix-cache",
+                 "--prefix-shares-kv", "--faults"]
 CONTROL_PLANE_FLAGS = ["--control-plane", "--routers", "--batchers-per-rack", "--valkey-shards"]
 OUTPUT_FLAGS = ["--out", "--json", "--no-progress", "--oracle"]
 SUBCOMMANDS: dict[str, tuple[str, list[str]]] = {
@@ -350,7 +358,7 @@ SUBCOMMANDS: dict[str, tuple[str, list[str]]] = {
                 + ["--policies"]),
     "matrix": ("every node policy on every trace x cluster state x load, scored per cell",
                ["--traces", "--loads", "--states", "--policies", "--repeats", "--jobs", "--requests", "--users",
-                "--seed", "--cluster", *OUTPUT_FLAGS]),
+                "--seed", "--cluster", "--prefix-shares-kv", *OUTPUT_FLAGS]),
     "experiment": ("a named experiment (its JSON and plot under report/sim-NAME)",
                    TRACE_FLAGS + CONTROL_PLANE_FLAGS + OUTPUT_FLAGS
                    + ["--cluster", "--sizes", "--flood-requests", "--capacity-sizes", "--flood-scale", "--sat-racks",

@@ -22,8 +22,9 @@ What `live_decisions` does, in order (every step real; nothing is read from an e
    prefix blocks salted (the blocks of a run share token ids with each other, never with another run's: no run
    finds the previous run's prefixes in the engines' caches);
 5. simulates the same requests per policy with the control plane oracle-free (the caps, the users' history, the
-   learned speed of each node), the engine timed by the fitted profile, vLLM's scheduler limits, its prefix cache,
-   and as dispatch latency the pipeline hops measured in the live runs;
+   learned speed of each node), the engine timed by the fitted profile, vLLM's scheduler limits, its prefix cache
+   in the KV pool that the running sequences use (`SimParams.prefix_shares_kv`), and as dispatch latency the
+   pipeline hops measured in the live runs;
 6. reports per policy the live and the simulated P50/P99 TTFT and end-to-end latency, the two rankings on P99 TTFT,
    and each policy's margin over round robin, measured and predicted, side by side.
 
@@ -150,7 +151,7 @@ def simulate(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine
     params = SimParams(max_num_seqs=engine["max_num_seqs"], max_batched_tokens=engine["max_num_batched_tokens"],
                        dispatch_latency_ms=dispatch_ms, prefix_cache=True, host_prefix_cache=False,
                        admission=False,  # DemoRun submits past the gateway's HTTP admission: nothing is shed live
-                       oracle=False, world=NEUTRAL)
+                       oracle=False, world=NEUTRAL, prefix_shares_kv=True)
     res = Simulator(_with_policy(config, policy), reqs, lambda _spec: cost, params=params).run()
     done = [i for i in range(len(reqs)) if res.finish[i] >= 0 and not res.dropped[i]]
     ttft = [res.first_token[i] - res.arrival[i] for i in done]
@@ -174,7 +175,8 @@ def at_load(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine:
     res = Simulator(_with_policy(config, policy), flood, lambda _spec: cost,
                     params=SimParams(max_num_seqs=engine["max_num_seqs"],
                                      max_batched_tokens=engine["max_num_batched_tokens"], prefix_cache=True,
-                                     host_prefix_cache=False, admission=False, oracle=False, world=NEUTRAL)).run()
+                                     host_prefix_cache=False, admission=False, oracle=False, world=NEUTRAL,
+                                     prefix_shares_kv=True)).run()
     serve_ms = max(res.finish) - min(res.arrival)
     return list(scale_rate(reqs, span / max(1.0, serve_ms / load)))
 

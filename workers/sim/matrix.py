@@ -192,6 +192,7 @@ class Job:
     faults: tuple[Fault, ...]
     admission: bool = True
     oracle: bool = False
+    prefix_shares_kv: bool = False
 
 
 def _known(path: str) -> TraceSpec | None:
@@ -262,8 +263,8 @@ def run_job(job: Job) -> dict[str, Any]:
     """Run one simulation; returns its summary plus the raw per-request figures (to pool repeats and score SLOs)."""
     cfg = _config(job.config_dir, job.overrides, job.cluster, job.policy, job.seed)
     reqs = job_requests(job)
-    out, res = run_once(cfg, reqs, SimParams(admission=job.admission, oracle=job.oracle), list(job.faults), None,
-                        False)
+    params = SimParams(admission=job.admission, oracle=job.oracle, prefix_shares_kv=job.prefix_shares_kv)
+    out, res = run_once(cfg, reqs, params, list(job.faults), None, False)
     lat = completed_latencies(res)
     done = [i for i in range(len(res.arrival)) if res.finish[i] >= 0 and not res.dropped[i]]
     out["_lat"] = lat
@@ -452,7 +453,7 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
     seeds = [args.seed + 1000 * k for k in range(max(1, args.repeats))]
     t0 = time.perf_counter()
     common = {"config_dir": str(args.config_dir), "overrides": tuple(args.config), "cluster": args.cluster,
-              "users": args.users}
+              "users": args.users, "prefix_shares_kv": bool(getattr(args, "prefix_shares_kv", False))}
     total = len(traces) * (1 + len(loads) * len(states) * len(policies) * len(seeds))
     bar = tqdm(total=total, desc="sim matrix", unit="run", disable=args.no_progress, file=sys.stderr,
                dynamic_ncols=True, mininterval=1.0)
@@ -494,7 +495,8 @@ def run_matrix(args: argparse.Namespace) -> dict[str, Any]:
                 })
     d: dict[str, Any] = {
         "default": default, "policies": policies, "loads": loads, "states": states, "repeats": len(seeds),
-        "oracle": oracle, "splits": {p.spec.path: p.spec.split for p in plans},
+        "oracle": oracle, "prefix_shares_kv": common["prefix_shares_kv"],
+        "splits": {p.spec.path: p.spec.split for p in plans},
         "slos": {p: {"ttft_ms": s[0], "tpot_ms": s[1]} for p, s in slos.items()},
         "limits": {p.spec.path: p.limit for p in plans},
         "fault_node": node, "slow_factor": SLOW_FACTOR, "seed": args.seed,
