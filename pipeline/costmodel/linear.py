@@ -15,22 +15,31 @@ from pathlib import Path
 @dataclass(frozen=True, slots=True)
 class LinearStepCost:
     """One iteration of an engine measured as a whole: a fixed cost, plus a cost per prefilled token, per decoding
-    sequence and per KV token those sequences read, and a fixed extra for an iteration that prefills (the intake of
-    its new requests). The simulator's `StepCost` (O(1) decode spans)."""
+    sequence and per KV token those sequences read, a fixed extra for an iteration that prefills (the intake of
+    its new requests), and the prefill's attention: per new token and context token it attends to
+    (`per_prefill_attn_ms` x sum over the chunks of new x (cached + new / 2), cached being the chunk's tokens
+    already in the KV cache: a cached prefix or earlier chunks). The simulator's `StepCost` (O(1) decode spans)."""
 
     base_ms: float
     per_prefill_token_ms: float
     per_decode_seq_ms: float
     per_kv_token_ms: float
     prefill_base_ms: float = 0.0
+    per_prefill_attn_ms: float = 0.0
+    """0 in a profile fitted before the term (2026-12-07): the prefill is then linear in its new tokens alone."""
 
     def step_ms(self, prefill_tokens: Sequence[int], decode_seqs: int, decode_kv_tokens: int,
                 prefill_cached: Sequence[int] | None = None) -> float:
         p = sum(prefill_tokens)
         if p == 0 and decode_seqs == 0:
             return 0.0
-        return (self.base_ms + (self.prefill_base_ms + self.per_prefill_token_ms * p if p else 0.0)
-                + self.per_decode_seq_ms * decode_seqs + self.per_kv_token_ms * decode_kv_tokens)
+        pre = 0.0
+        if p:
+            pre = self.prefill_base_ms + self.per_prefill_token_ms * p
+            if self.per_prefill_attn_ms:
+                pre += self.per_prefill_attn_ms * prefill_attn(prefill_tokens, prefill_cached)
+        return (self.base_ms + pre + self.per_decode_seq_ms * decode_seqs
+                + self.per_kv_token_ms * decode_kv_tokens)
 
     def decode_span_ms(self, n: int, kv0: int, steps: int) -> float:
         """Sum over k in [0, steps) of step_ms([], n, kv0 + k n): an arithmetic series."""
@@ -71,3 +80,11 @@ class LinearStepCost:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"step profile {path}: {type(e).__name__}: {e} (write one with "
                              "`python -m workers.engines.vllm_profile -o PATH`)") from None
+
+
+def prefill_attn(prefill_tokens: Sequence[int], prefill_cached: Sequence[int] | None = None) -> float:
+    """The prefill's attention work in (new token x context token) pairs: each chunk's new tokens attend to the
+    tokens already cached and, causally, to half of their own."""
+    cached = prefill_cached if prefill_cached is not None else [0] * len(prefill_tokens)
+    return float(sum(c * (k + c / 2.0) for c, k in zip(prefill_tokens, cached, strict=True)))
+

@@ -38,7 +38,13 @@ In all three the engines found fewer prompts cached than the simulator predicted
 0.57-0.72 simulated, kv_aware 0.50-0.68 against 0.59-0.75, round robin 0.45-0.47 against 0.48-0.50. Modelling the
 prefix cache inside the KV pool that the running sequences use (vLLM's; `SimParams.prefix_shares_kv`, on since then)
 brings round robin's prediction to 0.475-0.481 and the others' down by 0.01-0.03 only: the rest of the gap is not
-explained yet.
+explained yet. Then the step profile learned the prefill's attention to its context (`PREFILL_CONTEXT`: 1,024 new
+tokens took 1.9x as long after 2,048 cached ones), and at load 0.5 with 1,200 requests per policy the live and the
+simulated P50 TTFT met (101/104 ms for the default, 101/100 for kv_aware, 106/128 for round robin; before, the live
+P50 was 2-2.7x the simulated one), but the simulator now prices the engines above what they ran (their step times
+0.65-0.73x the profile, scaled for two busy engines) and its P99 is 1.4-1.8x the live one, and live the three
+policies' P99 TTFT were 415-436 ms, no pair told apart: at a load the engines keep up with, node choice does not
+move the live P99 on this host, and past it the host's speed does. 14 minutes for the run.
 
 What stays apart (measured 2026-12-06): the live P50 TTFT is 2-2.7x the simulated one and the P99 2.5-3.4x. vLLM's own
 request stats put it in the engine: a request waits for no slot (queued time 0 at the median), and its prefill, from

@@ -7,14 +7,17 @@ simulator checked against a real engine).
 known composition:
 - prefill: one prompt of P tokens (P over PREFILL_TOKENS), and batches of prompts prefilled in one iteration;
 - decode: B sequences (B over DECODE_BATCHES) decoding together, at short and long context, and a few batches at
-  the long contexts a trace reaches (DECODE_LONG: prefilled once, then decoded from the prefix cache).
+  the long contexts a trace reaches (DECODE_LONG: prefilled once, then decoded from the prefix cache);
+- prefill after a cached prefix (PREFILL_CONTEXT): new tokens attending to a long context.
 A phase is timed as a whole, from `add_request` to every request's first token (the prefill iteration, intake
 included) and from there to the last finish (the decode iterations): single `step()` returns of vLLM's `LLMEngine`
 are not single iterations of its engine core (the frontend reads ahead or behind). Every prompt has its own token
-ids, so nothing is served from the prefix cache (but DECODE_LONG's second run, on purpose).
+ids, so nothing is served from the prefix cache (but the second runs of DECODE_LONG and PREFILL_CONTEXT, on
+purpose).
 
 `fit_linear` fits `step_ms = base + per_decode_seq x decode sequences + per_kv_token x KV tokens read by decode
-(+ prefill_base + per_prefill_token x prefill tokens in an iteration that prefills)` by least squares, the decode
+(+ prefill_base + per_prefill_token x prefill tokens + per_prefill_attn x the prefill's new x context token pairs,
+in an iteration that prefills)` by least squares, the decode
 terms on the decode samples and then the prefill terms on the prefill ones (coefficients clipped at 0), and
 `LinearStepCost` is that model behind the simulator's `StepCost` protocol (`pipeline.sim.node`). Both are pure and
 run in any environment."""
@@ -33,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.costmodel.linear import LinearStepCost
+from pipeline.costmodel.linear import LinearStepCost, prefill_attn
 
 PREFILL_TOKENS = (16, 64, 256, 512, 1024, 2048)
 PREFILL_BATCHES = ((4, 128), (8, 256), (16, 64))
@@ -46,6 +49,11 @@ DECODE_LONG = ((4, 3072), (12, 3072))
 where it weighs (measured: fitted on contexts up to 1.6 k tokens it came out 0.27 to 0.88 us per token from run to
 run, and a trace's arrivals scaled by it spanned 38 or 90 s). Their prompts take several iterations to prefill, so
 they give decode samples only."""
+PREFILL_CONTEXT = ((1024, 256), (1024, 1024), (2048, 256), (2048, 1024), (3072, 256), (3072, 1024))
+"""(cached tokens, new tokens): a prompt prefilled after its first `cached` tokens were cached by an earlier run, so
+that its new tokens attend to a long context, as a conversation's next turn and the later chunks of a long prompt
+do. Without them the fit priced a turn's prefill by its new tokens alone: measured in the decisions tier
+(2026-12-06), a live prefill took 1.35x the fitted price at the median and 1.6x for 2,048+ new tokens."""
 DECODE_STEPS = 48
 REPEATS = 3
 
@@ -56,6 +64,8 @@ class StepSample:
     decode_seqs: int
     decode_kv_tokens: int
     ms: float
+    prefill_attn: float = 0.0
+    """The prefill's attention work (`pipeline.costmodel.linear.prefill_attn`): new x context token pairs."""
 
 
 def _fit(x: Any, y: Any) -> Any:
@@ -77,6 +87,14 @@ def _fit(x: Any, y: Any) -> Any:
     return np.maximum(coef, 0.0)
 
 
+def _predict(cost: LinearStepCost, s: StepSample) -> float:
+    """The cost's time for a sample, its prefill's attention work as measured (a batch of prompts or a prompt
+    after a cached prefix, which the sample's total new tokens alone do not say)."""
+    pre = (cost.prefill_base_ms + cost.per_prefill_token_ms * s.prefill_tokens
+           + cost.per_prefill_attn_ms * s.prefill_attn) if s.prefill_tokens else 0.0
+    return cost.base_ms + pre + cost.per_decode_seq_ms * s.decode_seqs + cost.per_kv_token_ms * s.decode_kv_tokens
+
+
 def fit_linear(samples: Sequence[StepSample]) -> tuple[LinearStepCost, dict[str, float]]:
     """The decode terms (base, per sequence, per KV token) from the decode-only samples; then the prefill terms
     (per token, and the fixed extra of an iteration that prefills, over the decode base) from the prefill-only
@@ -91,15 +109,15 @@ def fit_linear(samples: Sequence[StepSample]) -> tuple[LinearStepCost, dict[str,
     pre = [s for s in samples if s.prefill_tokens > 0 and s.decode_seqs == 0]
     if len(dec) >= 3 and len(pre) >= 2:
         d = _fit(np.array([[1.0, s.decode_seqs, s.decode_kv_tokens] for s in dec]), np.array([s.ms for s in dec]))
-        p = _fit(np.array([[1.0, s.prefill_tokens] for s in pre]), np.array([s.ms for s in pre]))
-        cost = LinearStepCost(float(d[0]), float(p[1]), float(d[1]), float(d[2]), max(0.0, float(p[0] - d[0])))
+        p = _fit(np.array([[1.0, s.prefill_tokens, s.prefill_attn] for s in pre]), np.array([s.ms for s in pre]))
+        cost = LinearStepCost(float(d[0]), float(p[1]), float(d[1]), float(d[2]), max(0.0, float(p[0] - d[0])),
+                              float(p[2]))
     else:
         c = _fit(np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.decode_kv_tokens] for s in samples]),
                  np.array([s.ms for s in samples]))
         cost = LinearStepCost(*(float(v) for v in c))
     y = np.array([s.ms for s in samples])
-    pred = np.array([cost.step_ms([s.prefill_tokens] if s.prefill_tokens else [], s.decode_seqs,
-                                  s.decode_kv_tokens) for s in samples])
+    pred = np.array([_predict(cost, s) for s in samples])
     rel = np.abs(pred - y) / np.maximum(y, 1e-9)
     return cost, {"samples": float(len(samples)), "median_rel_error": float(np.median(rel)),
                   "p90_rel_error": float(np.percentile(rel, 90))}
@@ -205,7 +223,8 @@ def _engine(config_dir: Path, config_file: Path | None) -> tuple[Any, dict[str, 
     cc = llm.vllm_config.cache_config
     info = {"max_num_seqs": int(sc.max_num_seqs), "max_num_batched_tokens": int(sc.max_num_batched_tokens),
             "num_blocks": int(cc.num_gpu_blocks or 0), "block_size": int(cc.block_size),
-            "vocab": len(llm.get_tokenizer()), "on_cpu": eng.on_cpu, "model": eng.model}
+            "vocab": len(llm.get_tokenizer()), "on_cpu": eng.on_cpu, "model": eng.model,
+            "max_model_len": int(llm.vllm_config.model_config.max_model_len)}
     return llm, info
 
 
@@ -256,10 +275,22 @@ def measure(llm: Any, info: dict[str, Any], progress: bool = True) -> list[StepS
     bt = info.get("block_size") or 1
     plan += [("decode-long", [p] * b, DECODE_STEPS + 1) for b, p in DECODE_LONG
              if b <= seqs and (not blocks or b * -(-(p + DECODE_STEPS + 1) // bt) <= blocks * 0.8)]
+    max_len = info.get("max_model_len") or 0
+    plan += [("prefill-context", [k, n], 1) for k, n in PREFILL_CONTEXT
+             if n <= cap and (not max_len or k + n < max_len) and (not blocks or -(-(k + n) // bt) <= blocks * 0.8)]
     _run(llm, [64], 4, vocab)  # warm-up
     samples: list[StepSample] = []
     for i, (kind, prompts, steps) in enumerate(plan):
         for _ in range(REPEATS):
+            if kind == "prefill-context":
+                # the first k tokens (whole blocks) prefilled and cached by one run, then the whole prompt: only
+                # its n new tokens prefill, in one iteration, attending to the k cached ones
+                k, n = prompts
+                whole = _ids(k + n, vocab)
+                _run(llm, [k], 1, vocab, [whole[:k]])
+                first_ms, _ = _run(llm, [k + n], 1, vocab, [whole])
+                samples.append(StepSample(n, 0, 0, first_ms, prefill_attn([n], [k])))
+                continue
             if kind == "decode-long":
                 # the prompts are prefilled once (their prefill spans iterations), then run again from the prefix
                 # cache: only their last partial blocks prefill, in one iteration, and the B sequences decode in
@@ -269,7 +300,7 @@ def measure(llm: Any, info: dict[str, Any], progress: bool = True) -> list[StepS
                 first_ms, rest_ms = _run(llm, prompts, steps, vocab, ids)
             else:
                 first_ms, rest_ms = _run(llm, prompts, steps, vocab)
-                samples.append(StepSample(sum(prompts), 0, 0, first_ms))
+                samples.append(StepSample(sum(prompts), 0, 0, first_ms, prefill_attn(prompts)))
             if kind.startswith("decode"):
                 b, p = len(prompts), prompts[0]
                 samples.append(StepSample(0, b, b * (p + 1 + steps // 2), rest_ms / (steps - 1)))
