@@ -83,8 +83,9 @@ test-vllm: $(VSTAMP) $(TINY)/rackflow-tiny.json
 
 # node choice on real engines: two vLLM CPU workers (prefix caching on) behind the whole pipeline serve a multi-turn
 # trace once per policy (the default, round robin, an anchor), against the oracle-free simulator's prediction
-# (workers/sim/live_decisions.py; 1,800 requests per policy, each run spanning about 350 s at load 0.5 since the step
-# profile prices the prefill's attention (234 s before): about 20 minutes here; not in .ci/run: see tests/vllm/test_decisions.py)
+# (workers/sim/live_decisions.py; 1,800 requests per policy, each run spanning 250-350 s at load 0.5 since the step
+# profile prices the prefill's attention (234 s before; the span moves with each run's profile): 15-20 minutes here;
+# not in .ci/run: see tests/vllm/test_decisions.py)
 test-decisions-vllm: $(VSTAMP) $(TINY)/rackflow-tiny.json
 	$(VPY) -m pytest -q -rs -s -m decisions_vllm tests/vllm
 

@@ -224,7 +224,8 @@ def _engine(config_dir: Path, config_file: Path | None) -> tuple[Any, dict[str, 
     info = {"max_num_seqs": int(sc.max_num_seqs), "max_num_batched_tokens": int(sc.max_num_batched_tokens),
             "num_blocks": int(cc.num_gpu_blocks or 0), "block_size": int(cc.block_size),
             "vocab": len(llm.get_tokenizer()), "on_cpu": eng.on_cpu, "model": eng.model,
-            "max_model_len": int(llm.vllm_config.model_config.max_model_len)}
+            "max_model_len": int(llm.vllm_config.model_config.max_model_len),
+            "prefix_caching": bool(eng.args.get("enable_prefix_caching", True))}
     return llm, info
 
 
@@ -276,8 +277,9 @@ def measure(llm: Any, info: dict[str, Any], progress: bool = True) -> list[StepS
     plan += [("decode-long", [p] * b, DECODE_STEPS + 1) for b, p in DECODE_LONG
              if b <= seqs and (not blocks or b * -(-(p + DECODE_STEPS + 1) // bt) <= blocks * 0.8)]
     max_len = info.get("max_model_len") or 0
-    plan += [("prefill-context", [k, n], 1) for k, n in PREFILL_CONTEXT
-             if n <= cap and (not max_len or k + n < max_len) and (not blocks or -(-(k + n) // bt) <= blocks * 0.8)]
+    # only with a prefix cache: without one the second run prefills the whole prompt, not its n new tokens
+    plan += [("prefill-context", [k, n], 1) for k, n in PREFILL_CONTEXT if info.get("prefix_caching", True)
+             and n <= cap and (not max_len or k + n < max_len) and (not blocks or -(-(k + n) // bt) <= blocks * 0.8)]
     _run(llm, [64], 4, vocab)  # warm-up
     samples: list[StepSample] = []
     for i, (kind, prompts, steps) in enumerate(plan):
