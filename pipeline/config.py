@@ -665,6 +665,12 @@ class GatewayConfig(_Strict):
     """Cap of the `Retry-After` computed from the queue ahead and the recent completion rate."""
     saturation_refresh_ms: int = Field(default=200, ge=10, le=60_000)
     """How often the gateway re-reads the rack queues (cached in between: no per-request reads)."""
+    routing: Literal["router", "inline"] = "router"
+    """Who chooses a request's rack. `router`: the gateway appends it to `rf:ingress` and a router process routes
+    it. `inline`: the gateway routes it itself, with the router's policy and prefix feed over the views it reads for
+    admission, and writes it straight to its rack's stream (the record on `rf:admitted`, the decision on
+    `rf:decisions`) in one round trip; a request for which no rack is healthy still goes to the router, which waits
+    for one (workers/stores/rack_routing.py). Celery jobs and the demo's replay always go through the router."""
     user_history_cache_s: float = Field(default=2.0, ge=0, le=3600)
     """How long the gateway keeps a user's output-length history (the EWMA the workers update on completion) before
     it reads it again: a user sending many requests costs one read per interval, not one round trip per request

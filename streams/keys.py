@@ -10,6 +10,9 @@ from __future__ import annotations
 import re
 
 INGRESS = "rf:ingress"
+ADMITTED = "rf:admitted"
+"""The record of the requests a gateway routed itself (`gateway.routing: inline`), as admitted and routed: what
+`rf:ingress` is for the requests the router routes. No consumer group reads it; `rackflow replay` does."""
 DECISIONS = "rf:decisions"
 RESULTS = "rf:results"
 HEALTH = "rf:health"

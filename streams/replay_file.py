@@ -154,7 +154,7 @@ DEFAULT_GROUPS = ("ingress", "racks", "nodes", "results", "health", "dlq", "deci
 
 
 def stream_group(key: str) -> str | None:
-    if key == keys.INGRESS:
+    if key in (keys.INGRESS, keys.ADMITTED):  # the requests as admitted: queued for the router, or routed inline
         return "ingress"
     if key == keys.DECISIONS:
         return "decisions"

@@ -171,6 +171,11 @@ class StreamProducer:
                 raise x
         return [_s(x) for x in replies]
 
+    async def add_each(self, items: Iterable[tuple[str, Event | dict[bytes, bytes]]]) -> list[Any]:
+        """Append many entries in one round trip; each reply is the entry's id or the error it got (nothing raises
+        but a lost connection, after which nothing is known)."""
+        return [x if isinstance(x, Exception) else _s(x) for x in await self._xadd_all(items)]
+
     async def _xadd_all(self, items: Iterable[tuple[str, Event | dict[bytes, bytes]]]) -> list[Any]:
         """XADD each item in one pipelined round trip, in order; each reply an id or the error it got."""
         minid = minid_for(self.now_ms(), self.retention_ms)

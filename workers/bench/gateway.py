@@ -214,7 +214,7 @@ def summarize(outcomes: list[Outcome], window_s: float) -> dict[str, Any]:
 
 HOPS = (
     ("http_in", "client sends -> gateway admits (HTTP, auth, profile)"),
-    ("ingress_to_router", "rf:ingress -> router routed it to a rack"),
+    ("ingress_to_router", "admitted -> routed to a rack (rf:ingress and the router; inline: the gateway itself)"),
     ("window", "rack stream -> batcher placed it in a batch (the window)"),
     ("batch_to_start", "node stream -> the worker's engine started it"),
     ("engine_first_token", "engine start -> first token (zero-time engine: ~0)"),
@@ -325,7 +325,8 @@ def cpu_snapshot(procs: ClusterProcesses, redis_url: str) -> dict[str, float]:
 
 def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: float = 12.0, repeats: int = 3,
                   max_tokens: int = 8, stream_every: int = 5, progress: bool = True,
-                  window_hold: bool = False, http_parser: str | None = None) -> dict[str, Any]:
+                  window_hold: bool = False, http_parser: str | None = None,
+                  routing: str | None = None) -> dict[str, Any]:
     from workers.local.supervise import free_port
 
     runs: list[dict[str, Any]] = []
@@ -340,8 +341,13 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
             "policies": {"worker": {"zero_time": True, "token_flush_ms": 50},
                          "batcher": {"close_when_room": not window_hold}},
         }
+        gw: dict[str, Any] = {}
         if http_parser is not None:
-            override["gateway"] = {"http_parser": http_parser}
+            gw["http_parser"] = http_parser
+        if routing is not None:
+            gw["routing"] = routing
+        if gw:
+            override["gateway"] = gw
         path = Path(tmp) / "bench.yaml"
         config = config_overlay_file(path, override)
         port = free_port()
@@ -394,6 +400,7 @@ def bench_gateway(redis_url: str, etcd_url: str, clients: int = 32, duration_s: 
         "cpu_us_per_request": cpu_us,
         "window": {"close_when_room": not window_hold},
         "http_parser": config.gateway.http_parser,
+        "routing": config.gateway.routing,
         "errors": sum(r["errors"] for r in runs),
         "shed": sum(r["shed"] for r in runs),
         "requests": sum(r["requests"] for r in runs),

@@ -277,7 +277,8 @@ def run_bench(args: argparse.Namespace, endpoints: tuple[str, str] | None) -> in
                 res = bench_gateway(endpoints[0], endpoints[1], clients=getattr(args, "clients", 32),
                                     duration_s=getattr(args, "duration_s", 12.0), repeats=args.repeats,
                                     progress=not args.no_progress, window_hold=getattr(args, "window_hold", False),
-                                    http_parser=getattr(args, "http_parser", None))
+                                    http_parser=getattr(args, "http_parser", None),
+                                    routing=getattr(args, "routing", None))
                 if getattr(args, "peer", None):
                     failed = _bench_peers(res, args.peer, progress=not args.no_progress)
             elif args.what == "streams-capacity":

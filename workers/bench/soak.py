@@ -23,7 +23,7 @@ The run, in order:
    while a killed gateway is not back yet: the clients would not see the outage). Once, between the kill a quarter
    into the run and the next, etcd gets SIGKILL and is started again the same way (its WAL holds the registry and
    the leases).
-5. While the load runs, a follower reads `rf:ingress` and `rf:results` as they grow (one blocking XREAD of both)
+5. While the load runs, a follower reads `rf:ingress` (`rf:admitted` too) and `rf:results` as they grow (one XREAD)
    and checks each final result's output stream when it lands, and Valkey's `used_memory` is sampled every 5 s:
    with a 60 s retention an end-of-run read would find only the last minute. When the open loop has sent
    everything, the run waits (up to `drain_timeout_s`) until every accepted request has its final result.
@@ -31,9 +31,9 @@ The run, in order:
 Definitions (what the report counts):
 
 - `sent`: HTTP requests the load generator sent.
-- `accepted`: requests the gateway admitted: the XADD of their RequestEvent to `rf:ingress` was acknowledged. They
-  are found in `rf:ingress` by their prompt (`load test request {i}`, unique per request of this run), so a request
-  whose client never learned its id (the gateway died before answering) is still accounted for.
+- `accepted`: requests the gateway admitted: the XADD of their RequestEvent to `rf:ingress` (or `rf:admitted`) was
+  acknowledged. They are found there by their prompt (`load test request {i}`, unique per request of this run), so
+  a request whose client never learned its id (the gateway died before answering) is still accounted for.
 - `completed`: accepted requests with a final `ok` result in `rf:results`.
 - `lost`: accepted requests without any final result in `rf:results` when the drain wait ends.
 - `duplicates`: final results beyond the first for one request id in `rf:results` (sum over requests of
@@ -418,16 +418,16 @@ def _stream_problem(evs: list[Any], res: ResultEvent) -> str | None:
 
 
 class _Follower:
-    """Tails `rf:ingress` and `rf:results` while the soak runs (one XREAD of both, blocking 1 s), so that the run's
-    accounting does not depend on the streams' retention: the soak trims them at `retention_s` (60 s), which is what
-    keeps Valkey's memory flat, and an end-of-run read would find only the last minute. Each final result's own
-    output stream (`rf:out:{id}`, which expires `output_ttl_s` after its last write) is checked when the result
-    arrives. A Valkey restart is ridden out (the read resumes from the last entry seen: the append-only file kept
-    it)."""
+    """Tails `rf:ingress`, `rf:admitted` (the requests a gateway routed itself) and `rf:results` while the soak runs
+    (one XREAD of all three, blocking 1 s), so that the run's accounting does not depend on the streams' retention:
+    the soak trims them at `retention_s` (60 s), which is what keeps Valkey's memory flat, and an end-of-run read
+    would find only the last minute. Each final result's own output stream (`rf:out:{id}`, which expires
+    `output_ttl_s` after its last write) is checked when the result arrives. A Valkey restart is ridden out (the
+    read resumes from the last entry seen: the append-only file kept it)."""
 
     def __init__(self, redis_url: str, since_ms: int, base: int, n: int) -> None:
         self.redis_url = redis_url
-        self.last = {keys.INGRESS: f"{since_ms}-0", keys.RESULTS: f"{since_ms}-0"}
+        self.last = {keys.INGRESS: f"{since_ms}-0", keys.ADMITTED: f"{since_ms}-0", keys.RESULTS: f"{since_ms}-0"}
         self.base, self.n = base, n
         self.accepted: dict[int, str] = {}
         self.admitted_twice = 0
@@ -451,7 +451,7 @@ class _Follower:
                 ev = codec.decode(fields)
             except Exception:  # not an event of ours
                 continue
-            if stream == keys.INGRESS and isinstance(ev, RequestEvent):
+            if stream in (keys.INGRESS, keys.ADMITTED) and isinstance(ev, RequestEvent):
                 m = PROMPT.match(ev.prompt)
                 if m is None or not self.base <= int(m.group(1)) < self.base + self.n:
                     continue

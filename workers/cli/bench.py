@@ -141,6 +141,11 @@ def _flags() -> dict[str, dict[str, Any]]:
         choices=["httptools", "h11"],
         default=None,
         help="gateway: uvicorn's HTTP parser for the gateway (default: gateway.http_parser, httptools)"),
+    "--routing": dict(
+        choices=["router", "inline"],
+        default=None,
+        help="gateway: who routes each request to its rack: the router process (rf:ingress) or the gateway itself "
+                 "(default: gateway.routing, router)"),
     "--window-hold": dict(
         action="store_true",
         help="gateway: run the batcher with close_when_room off (the window holds requests a node could "
@@ -177,7 +182,8 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
     "kv": ("KV snapshots exported to and imported from the L1/L2 tiers", OUT),
     "failover": ("one worker of 8 killed mid-run: what the clients saw", OUT),
     "gateway": ("requests/s, CPU per request and added TTFT of the HTTP path, beside a peer gateway",
-                ["--clients", "--duration-s", "--repeats", "--peer", "--http-parser", "--window-hold", *OUT]),
+                ["--clients", "--duration-s", "--repeats", "--peer", "--http-parser", "--routing", "--window-hold",
+                 *OUT]),
     "streams-capacity": ("concurrent streaming requests one gateway holds", ["--streams", "--stream-tokens", *OUT]),
     "soak": ("load through rackflow up with roles killed and servers restarted", ["--minutes", *OUT]),
     "idle": ("CPU of an idle `rackflow up` cluster (every role, Valkey, etcd; Celery and Flower apart)",

@@ -702,7 +702,9 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
                            max_open_s=gw.request_timeout_s + 60)
         await replies.start()
         metrics.watch_replies(replies)
-        api.attach(Gateway(config, r, registry, replies))
+        core = Gateway(config, r, registry, replies)
+        await core.start_routing()
+        api.attach(core)
         await jobs_api.start(r)
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")
         try:
@@ -710,6 +712,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         finally:
             await jobs_api.close()
             api.attach(None)
+            await core.stop_routing()
             if registry is not None:
                 await registry.close(revoke=False)
             await replies.close()

@@ -83,7 +83,7 @@ class Timeline:
         b = self.bin(stream_id_ms(eid))
         if b is None:
             return
-        if isinstance(ev, RequestEvent) and stream == keys.INGRESS:
+        if isinstance(ev, RequestEvent) and stream in (keys.INGRESS, keys.ADMITTED):
             self.arrivals[b] += 1
             self.totals["requests"] += 1
         elif isinstance(ev, ResultEvent) and stream == keys.RESULTS:

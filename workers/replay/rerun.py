@@ -87,7 +87,8 @@ def replay(path: Path, config: RackflowConfig, policy: str | None, header: Heade
             n += 1
             if n % 2000 == 0:
                 bar.update(2000)
-            if isinstance(ev, RequestEvent) and (stream == keys.INGRESS or stream.startswith("rf:rack:")):
+            if isinstance(ev, RequestEvent) and (stream in (keys.INGRESS, keys.ADMITTED)
+                                                 or stream.startswith("rf:rack:")):
                 rp.add_request(ev)
             elif isinstance(ev, DecisionEvent):
                 rp.decision(ev)

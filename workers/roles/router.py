@@ -9,13 +9,12 @@ with an error result instead of dropping the request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 
 from pipeline.config import RackflowConfig
-from pipeline.events import DecisionEvent, RequestEvent, ResultEvent
-from pipeline.routing.rack_affinity import RackAffinityRouter, keeps_prefix_cache, rack_cached_tokens
+from pipeline.events import RequestEvent, ResultEvent
+from pipeline.routing.rack_affinity import RackAffinityRouter
 from pipeline.routing.registry import build_router
 from pipeline.routing.views import RackView
 from streams import codec, keys
@@ -25,6 +24,7 @@ from workers.shell.runtime import WALL, consumer_name, log_context
 from workers.stores.cluster_view import ClusterView, PacedRefresh
 from workers.stores.etcd import NodeRegistry
 from workers.stores.prefix_feed import PrefixFeed
+from workers.stores.rack_routing import RackRouting
 from workers.stores.results import ResultWriter, error_result
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Router:
                                 decode_weight_tokens=pol.router.decode_weight_tokens)
         self.feed = PrefixFeed(self.r, config.rack_names())
         """Where every node's prefix blocks are cached (their block events): the rack choice weighs it."""
-        self.node_rack = {n.name: config.rack_of(n.name) for n in config.nodes()}
+        self.routing = RackRouting(config, self.policy, self.feed)
         retention_ms = pol.streams.retention_s * 1000
         self.producer = StreamProducer(self.r, WALL.now_ms, retention_ms)
         self.results = ResultWriter(self.r, WALL.now_ms, retention_ms, out_ttl_s=pol.streams.output_ttl_s)
@@ -76,9 +76,7 @@ class Router:
         choices: list[str] = []
         walked: dict[str, float] = {}
         waited = 0.0
-        rp = self.config.policies.router
-        rule = rp.prefix_cache_rule
-        bt = self.config.policies.profiling.prefix_block_tokens
+        rt = self.routing
         cached_seen: dict[str, float] = {}
         for d in deliveries:
             req = d.event
@@ -88,14 +86,12 @@ class Router:
                 errors.append(error_result(req, f"model {req.model!r} is not served by any rack; served: "
                                                 f"{', '.join(self.policy.models())}"))
                 continue
-            cached = None
-            if self.policy.prefix_aware and req.prefix_hashes and req.prefix_cache:
-                cached = rack_cached_tokens(self.feed.index.matches(req.prefix_hashes), self.node_rack, bt,
-                                            req.in_tokens)
+            cached = rt.cached(req)
+            if cached:
                 for rk, t in cached.items():
                     cached_seen[f"cached:{req.request_id}:{rk}"] = t
             while True:
-                decision = self.policy.route(req.user_id, req.model, views, cached)
+                decision = rt.route(req, views, cached)
                 if decision.rack is not None or waited >= self.no_rack_wait_s:
                     break
                 await asyncio.sleep(0.2)  # no healthy rack yet (cluster starting, or every rack down)
@@ -111,37 +107,15 @@ class Router:
                 if req.trace and tracing.TRACER is not None:
                     tracing.hop("router.route", req, now, error="no healthy rack")
                 continue
-            rack = decision.rack
-            v = views[rack]
-            views[rack] = dataclasses.replace(v, load=v.load + 1.0,
-                                              work=v.work + req.in_tokens + rp.decode_weight_tokens)
-            kept = rack == decision.primary
-            metrics.ROUTED.labels(rack, "kept" if kept else "walked").inc()
-            prefix_cache = keeps_prefix_cache(rule.enabled, rule.min_tokens, req.in_tokens, decision, req.prefix_cache)
             # forward the entry as it came, with the router's fields as an overlay: no re-encoding of the request
-            changes: dict[str, object] = {"rack": rack, "routed_ms": now}
-            if prefix_cache != req.prefix_cache:
-                changes["prefix_cache"] = prefix_cache
-            if req.trace and tracing.TRACER is not None:  # the next hop's parent is this hop's span
-                changes["trace"] = tracing.hop("router.route", req, now, rack=rack,
-                                               affinity="kept" if kept else "walked")
-            out.append((keys.rack_requests(rack), codec.with_overlay(d.fields, **changes)))
+            fields, kept = rt.forward(d.fields, req, decision, views, now, "router.route")
+            out.append((keys.rack_requests(decision.rack), fields))
             ids.append(req.request_id)
-            choices.append(rack)
+            choices.append(decision.rack)
             if not kept:
                 walked[f"walked:{req.request_id}"] = 1.0
         if ids:
-            scores = {f"load:{k}": v.load for k, v in seen.items()}
-            scores.update({f"healthy:{k}": float(v.healthy) for k, v in seen.items()})
-            scores.update({f"work:{k}": v.work for k, v in seen.items()})
-            scores.update({f"nodes:{k}": float(v.nodes) for k, v in seen.items()})
-            scores.update(walked)
-            scores.update(cached_seen)
-            decision_ev = DecisionEvent(
-                kind="route", policy=self.policy.name, choice=choices[0], request_ids=tuple(ids), ts_ms=now,
-                scores=scores, draw=-1.0, choices=tuple(choices),
-            )
-            out.append((keys.DECISIONS, codec.encode(decision_ev)))
+            out.append((keys.DECISIONS, codec.encode(rt.decision_event(seen, ids, choices, walked, cached_seen, now))))
         await self.producer.add_many(out)
         for e in errors:
             await self.results.write(e)

@@ -1,4 +1,5 @@
-"""Gateway core: profile a request (ARCHITECTURE §2), admit it into `rf:ingress`, and read its outputs back.
+"""Gateway core: profile a request (ARCHITECTURE §2), admit it into `rf:ingress` (or, with `gateway.routing:
+inline`, route it and write it to its rack's stream: workers/stores/rack_routing.py), and read its outputs back.
 
 Every front end shares this: the HTTP gateway, the demo's trace replay and Celery jobs. It validates what the
 profile needs and never lets a request it cannot serve into the streams; it sheds load (RequestRejected with status
@@ -39,6 +40,8 @@ from workers.shell import tracing
 from workers.shell.runtime import WALL
 from workers.stores.cluster_view import ClusterView
 from workers.stores.etcd import NodeRegistry
+from workers.stores.prefix_feed import PrefixFeed
+from workers.stores.rack_routing import InlineRoute
 from workers.stores.replies import ReplyMux
 
 log = logging.getLogger(__name__)
@@ -115,6 +118,32 @@ class Gateway:
         """(monotonic time, rf:results entries-added) samples of the last few seconds: the completion rate."""
         self._history: dict[str, tuple[float, float | None]] = {}
         """Users' output-length EWMAs as last read (monotonic s, value), by key (`user_avg_out`)."""
+        self.inline: InlineRoute | None = None
+        """The gateway's own route (`gateway.routing: inline`), once `start_routing` ran."""
+        self._feed_task: asyncio.Task[None] | None = None
+        self._feed_stop = asyncio.Event()
+
+    # -- the gateway's own route -----------------------------------------------------------------------------------
+    async def start_routing(self) -> None:
+        """With `gateway.routing: inline`, route admitted requests here (rack_routing.InlineRoute): the router's
+        policy, fed with the nodes' prefix blocks when it weighs them."""
+        if self.config.gateway.routing != "inline" or self.inline is not None:
+            return
+        policy = build_router(self.config)
+        feed = None
+        if policy.prefix_aware:
+            feed = PrefixFeed(self.r, self.config.rack_names(), actor="gateway",
+                              retention_ms=self.config.policies.streams.retention_s * 1000)
+            self._feed_task = asyncio.create_task(feed.run(self._feed_stop))
+        self.inline = InlineRoute(self.config, self.producer, policy, feed)
+        log.info("gateway routes requests itself (policy %s%s)", policy.name,
+                 ", with the prefix feed" if feed is not None else "")
+
+    async def stop_routing(self) -> None:
+        self._feed_stop.set()
+        if self._feed_task is not None:
+            await asyncio.gather(self._feed_task, return_exceptions=True)
+            self._feed_task = None
 
     # -- tokenizers ----------------------------------------------------------------------------------------------
     def tokenizer(self, model: str) -> Any | None:
@@ -332,17 +361,23 @@ class Gateway:
                 raise RequestRejected(f"rack {rack} is saturated ({why}); retry later", 429, None,
                                       verdict.retry_after_s, code="overloaded")
         if self.replies is None or not self.replies.ready:
-            await self.producer.add(keys.INGRESS, req)
+            await self._enter(req, views)
             return req
         # open it on the reply stream first: nothing written for it can arrive before its reader exists
         req = _replace(req, reply_to=self.replies.key)
         self.replies.subscribe(req.request_id)
         try:
-            await self.producer.add(keys.INGRESS, req)
+            await self._enter(req, views)
         except BaseException:
             self.replies.unsubscribe(req.request_id)
             raise
         return req
+
+    async def _enter(self, req: RequestEvent, views: dict[str, RackView]) -> None:
+        """Into the streams: straight to its rack when this gateway routes and a rack is healthy, else rf:ingress."""
+        if self.inline is not None and await self.inline.submit(req, views):
+            return
+        await self.producer.add(keys.INGRESS, req)
 
     async def submit(self, inp: ProfileInput) -> RequestEvent:
         req = self.profile(inp)
