@@ -665,7 +665,7 @@ class GatewayConfig(_Strict):
     """Cap of the `Retry-After` computed from the queue ahead and the recent completion rate."""
     saturation_refresh_ms: int = Field(default=200, ge=10, le=60_000)
     """How often the gateway re-reads the rack queues (cached in between: no per-request reads)."""
-    routing: Literal["router", "inline"] = "router"
+    routing: Literal["router", "inline"] = "inline"
     """Who chooses a request's rack. `router`: the gateway appends it to `rf:ingress` and a router process routes
     it. `inline`: the gateway routes it itself, with the router's policy and prefix feed over the views it reads for
     admission, and writes it straight to its rack's stream (the record on `rf:admitted`, the decision on

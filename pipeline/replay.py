@@ -3,7 +3,9 @@
 What the live processes record so a run can be re-decided later:
 
 - the router writes one `route` DecisionEvent per batch of requests it read, with the rack views it saw
-  (`load:{rack}`, `healthy:{rack}`) and its choice for each request in order;
+  (`load:{rack}`, `healthy:{rack}`) and its choice for each request in order; a gateway that routes requests
+  itself does the same, per round trip. Each names its process (`actor`), and each process is replayed by a router
+  object of its own (the share guard counts what its own process sent);
 - a batcher writes, for every window it closes, a `window` DecisionEvent: the close time, the reason, the node
   views the window saw (after its own reservations), the requests offered since its previous close with their
   enqueue times, and the random draws each node policy made during the close (`inputs`, see `window_inputs`); the
@@ -325,6 +327,9 @@ class Replayer:
         self.config = with_node_policy(config, policy)
         self.what_if = bool(policy) and policy != self.recorded_policy
         self.router = rack_router(self.config)
+        self._routers: dict[str, RackAffinityRouter] = {"": self.router}
+        """One router policy per routing process (a decision's `actor`: each router, each gateway that routes
+        itself): the share guard's counts are each process's own."""
         self.count_from_ms = count_from_ms
         self.max_differences = max_differences
         self.stats = ReplayStats()
@@ -381,8 +386,11 @@ class Replayer:
             user, model, in_tokens = who
             prefix = f"cached:{rid}:"
             cached = {k[len(prefix):]: v for k, v in d.scores.items() if k.startswith(prefix)} or None
+            router = self._routers.get(d.actor)
+            if router is None:
+                router = self._routers[d.actor] = rack_router(self.config)
             try:
-                rack = self.router.route(user, model, views, cached).rack
+                rack = router.route(user, model, views, cached).rack
                 got = rack or "(none)"
             except KeyError:
                 rack, got = None, "(model not served)"

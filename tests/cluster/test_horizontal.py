@@ -83,9 +83,11 @@ def _wait_replicas(h: Horizontal, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture
-def horizontal(clean_services, config_file, tmp_path: Path) -> Iterator[Horizontal]:  # type: ignore[no-untyped-def]
-    path = config_file(HORIZONTAL)
+@pytest.fixture(params=["router", "inline"])
+def horizontal(request, clean_services, config_file, tmp_path: Path) -> Iterator[Horizontal]:  # type: ignore[no-untyped-def]
+    """`router`: the gateways queue every request on rf:ingress for the two routers; `inline` (the default): each
+    gateway routes its own requests."""
+    path = config_file({**HORIZONTAL, "gateway": {"routing": request.param}})
     config = harness.small_config(path)
     procs = ClusterProcesses(config, clean_services.redis_url, clean_services.etcd_url, tmp_path / "logs",
                              ["--config", str(path)], log_level="INFO", gateway_no_auth=True,
@@ -201,6 +203,13 @@ def test_two_routers_two_batchers_per_rack_two_gateways_each_request_once(horizo
             actors.setdefault(d.rack, Counter())[d.actor] += len(d.request_ids)
     for rack in h.config.rack_names():
         assert len(actors.get(rack, {})) == 2, f"rack {rack}: dispatches by batcher {dict(actors.get(rack, {}))}"
+    if h.config.gateway.routing == "inline":  # each gateway routed the requests it admitted, once each
+        by_gateway = Counter(d.actor for d in decisions if d.kind == "route" and d.actor.startswith("gateway-")
+                             for _ in d.request_ids)
+        # (a request that found no healthy rack for a moment goes to the routers: once all the same, checked above)
+        assert len(by_gateway) == 2 and all(n > N_REQUESTS // 4 for n in by_gateway.values()), by_gateway
+        h.procs.stop()
+        return
     routers = asyncio.run(_group_consumers(h.redis_url, keys.INGRESS, keys.GROUP_ROUTER))
     assert len(routers) == 2, routers
     assert all(c["pending"] == 0 for c in routers), routers

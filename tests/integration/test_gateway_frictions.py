@@ -53,7 +53,9 @@ def frictions_config(tmp_path: Path) -> RackflowConfig:
             {"name": "r0", "node_count": 1, "node": {"gpu": "h100-80gb", "tp": 1, "models": [MODEL]}},
             {"name": "r1", "node_count": 1, "node": {"gpu": "a100-80gb", "tp": 1, "models": [OTHER]}},
         ]},
-        "gateway": {"request_timeout_s": 60.0, "auth": {"mode": "hs256", "secret_env": "RACKFLOW_JWT_SECRET"}},
+        # the tests' stand-in router (TorchWorker) reads rf:ingress: the gateway queues every request there
+        "gateway": {"request_timeout_s": 60.0, "auth": {"mode": "hs256", "secret_env": "RACKFLOW_JWT_SECRET"},
+                    "routing": "router"},
         "policies": {"kv": {"l1_dir": str(tmp_path / "l1")}},
     }))
     return load_config(DEFAULT_CONFIG_DIR, [p])

@@ -135,10 +135,10 @@ def test_admit_routes_inline_and_falls_back_to_the_router_without_a_healthy_rack
     asyncio.run(run())
 
 
-def test_the_router_policy_is_the_default_and_leaves_requests_on_the_ingress_stream(
-        clean_services: ServiceEndpoints) -> None:
-    config = load_config()
-    assert config.gateway.routing == "router"
+def test_gateway_routing_router_leaves_every_request_to_the_router(clean_services: ServiceEndpoints,
+                                                                  config_file) -> None:  # type: ignore[no-untyped-def]
+    assert load_config().gateway.routing == "inline"  # the default
+    config = load_config(overrides=[config_file({**CLUSTER, "gateway": {"routing": "router"}})])
 
     async def run() -> None:
         r = connect(clean_services.redis_url)

@@ -1,7 +1,8 @@
 """OpenTelemetry tracing through the real pipeline: the gateway function, router, batcher and a sim worker (run
 in this process, so one in-memory exporter sees every span) on real Valkey + etcd. One request gives the four spans
 gateway.admit -> router.route -> batcher.dispatch -> worker.generate, one trace id, each the child of the one
-before, with the request's attributes."""
+before, with the request's attributes; routed by the gateway itself (`gateway.routing: inline`), the second span is
+gateway.route."""
 
 from __future__ import annotations
 
@@ -30,11 +31,14 @@ ONE_NODE = {
 }
 
 
-def test_a_request_is_one_trace_across_gateway_router_batcher_and_worker(clean_services, config_file):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("routing", ["router", "inline"])
+def test_a_request_is_one_trace_across_gateway_router_batcher_and_worker(clean_services, config_file,  # type: ignore[no-untyped-def]
+                                                                         routing):
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    config = harness.small_config(config_file(ONE_NODE))
+    config = harness.small_config(config_file({**ONE_NODE, "gateway": {"routing": routing}}))
+    route = "router.route" if routing == "router" else "gateway.route"
     redis_url, etcd_url = clean_services.redis_url, clean_services.etcd_url
 
     async def main() -> tuple[str, ResultEvent | None]:
@@ -45,8 +49,17 @@ def test_a_request_is_one_trace_across_gateway_router_batcher_and_worker(clean_s
         r = aioredis.Redis.from_url(redis_url)
         result: ResultEvent | None = None
         rid = str(uuid.uuid4())
+        gw = Gateway(config, r)
+        await gw.start_routing()
         try:
-            req = await Gateway(config, r).admit(ProfileInput(
+            if routing == "inline":  # the gateway routes only to a rack it sees healthy: wait for the node's status
+                for _ in range(300):
+                    gw._queues_t = float("-inf")
+                    _q, views = await gw.rack_queues()
+                    if any(v.healthy for v in views.values()):
+                        break
+                    await asyncio.sleep(0.1)
+            req = await gw.admit(ProfileInput(
                 request_id=rid, tenant="t1", user_id="u1", model="qwen2-7b", arrival_ms=WALL.now_ms(),
                 prompt_tokens=64, max_tokens=4))
             assert req.trace
@@ -55,6 +68,7 @@ def test_a_request_is_one_trace_across_gateway_router_batcher_and_worker(clean_s
                     result = ev
         finally:
             stop.set()
+            await gw.stop_routing()
             done = await asyncio.gather(*tasks, return_exceptions=True)
             await r.aclose()
         assert all(x == 0 for x in done), done
@@ -69,15 +83,15 @@ def test_a_request_is_one_trace_across_gateway_router_batcher_and_worker(clean_s
     assert result is not None and result.status == "ok"
     spans = [s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == rid]
     by_name = {s.name: s for s in spans}
-    assert sorted(by_name) == ["batcher.dispatch", "gateway.admit", "router.route", "worker.generate"], \
+    assert sorted(by_name) == sorted(["batcher.dispatch", "gateway.admit", route, "worker.generate"]), \
         [s.name for s in spans]
     assert len(spans) == 4
     assert len({s.context.trace_id for s in spans}) == 1
     assert by_name["gateway.admit"].parent is None
-    for child, parent in (("router.route", "gateway.admit"), ("batcher.dispatch", "router.route"),
+    for child, parent in ((route, "gateway.admit"), ("batcher.dispatch", route),
                           ("worker.generate", "batcher.dispatch")):
         assert by_name[child].parent is not None and by_name[child].parent.span_id == by_name[parent].context.span_id
-    assert by_name["router.route"].attributes["rack"] == "r0"
+    assert by_name[route].attributes["rack"] == "r0"
     for name in ("batcher.dispatch", "worker.generate"):
         a = by_name[name].attributes
         assert (a["rack"], a["node"], a["model"]) == ("r0", "r0-n0", "qwen2-7b")

@@ -233,7 +233,9 @@ def bench_streams_capacity(redis_url: str, etcd_url: str, streams: int = 10_000,
         override = {
             "cluster": {"racks": [{"name": "r0", "node_count": 2,
                                    "node": {"gpu": "h100-80gb", "tp": 1, "models": [MODEL]}}]},
-            "gateway": {"max_rack_queue": 100_000_000, "max_queue_s": 0, "max_ingress_backlog": 100_000_000},
+            # every stream is held open by pausing the router: the gateway queues them all on rf:ingress
+            "gateway": {"max_rack_queue": 100_000_000, "max_queue_s": 0, "max_ingress_backlog": 100_000_000,
+                        "routing": "router"},
         }
         path = Path(tmp) / "bench.yaml"
         config = config_overlay_file(path, override)

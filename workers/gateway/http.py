@@ -151,6 +151,9 @@ class GatewayMetrics:
         )
         self.rejected = Counter("rackflow_gateway_rejected", "Requests answered with an error, by reason",
                                 ["reason"], registry=r)
+        self.routed = Counter("rackflow_routed_total", "Requests this gateway routed itself (gateway.routing: "
+                              "inline), by rack and whether they kept their affinity rack", ["rack", "affinity"],
+                              registry=r)
 
     def watch_replies(self, mux: ReplyMux) -> None:
         """The reply stream reader's state, read at each scrape: open requests, events buffered for them (memory per
@@ -703,7 +706,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         await replies.start()
         metrics.watch_replies(replies)
         core = Gateway(config, r, registry, replies)
-        await core.start_routing()
+        await core.start_routing(metrics.routed)
         api.attach(core)
         await jobs_api.start(r)
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")

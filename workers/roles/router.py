@@ -115,7 +115,8 @@ class Router:
             if not kept:
                 walked[f"walked:{req.request_id}"] = 1.0
         if ids:
-            out.append((keys.DECISIONS, codec.encode(rt.decision_event(seen, ids, choices, walked, cached_seen, now))))
+            out.append((keys.DECISIONS, codec.encode(rt.decision_event(seen, ids, choices, walked, cached_seen, now,
+                                                                       self.consumer.consumer))))
         await self.producer.add_many(out)
         for e in errors:
             await self.results.write(e)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 from redis.exceptions import NoPermissionError
 
 from pipeline.admission import Admission, ShedReason
@@ -124,9 +125,10 @@ class Gateway:
         self._feed_stop = asyncio.Event()
 
     # -- the gateway's own route -----------------------------------------------------------------------------------
-    async def start_routing(self) -> None:
+    async def start_routing(self, routed: Counter | None = None) -> None:
         """With `gateway.routing: inline`, route admitted requests here (rack_routing.InlineRoute): the router's
-        policy, fed with the nodes' prefix blocks when it weighs them."""
+        policy, fed with the nodes' prefix blocks when it weighs them. `routed`: the counter of routed requests by
+        rack and affinity (default: the roles' `rackflow_routed_total`)."""
         if self.config.gateway.routing != "inline" or self.inline is not None:
             return
         policy = build_router(self.config)
@@ -135,7 +137,7 @@ class Gateway:
             feed = PrefixFeed(self.r, self.config.rack_names(), actor="gateway",
                               retention_ms=self.config.policies.streams.retention_s * 1000)
             self._feed_task = asyncio.create_task(feed.run(self._feed_stop))
-        self.inline = InlineRoute(self.config, self.producer, policy, feed)
+        self.inline = InlineRoute(self.config, self.producer, policy, feed, routed)
         log.info("gateway routes requests itself (policy %s%s)", policy.name,
                  ", with the prefix feed" if feed is not None else "")
 

@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from collections.abc import Mapping
+
+from prometheus_client import Counter
 
 from pipeline.config import RackflowConfig
 from pipeline.events import DecisionEvent, RequestEvent
@@ -41,8 +44,11 @@ class RackRouting:
     """One batch's rack choices: `route` each request in turn over `views` (charged as it goes), then
     `decision_event` for the batch."""
 
-    def __init__(self, config: RackflowConfig, policy: RackAffinityRouter, feed: PrefixFeed | None) -> None:
+    def __init__(self, config: RackflowConfig, policy: RackAffinityRouter, feed: PrefixFeed | None,
+                 routed: Counter | None = None) -> None:
         self.config = config
+        self.routed = routed if routed is not None else metrics.ROUTED
+        """Requests routed, by rack and affinity (`rackflow_routed_total` of the process that routes)."""
         self.policy = policy
         self.feed = feed
         rp = config.policies.router
@@ -73,7 +79,7 @@ class RackRouting:
         views[rack] = dataclasses.replace(v, load=v.load + 1.0,
                                           work=v.work + req.in_tokens + self.decode_weight_tokens)
         kept = rack == decision.primary
-        metrics.ROUTED.labels(rack, "kept" if kept else "walked").inc()
+        self.routed.labels(rack, "kept" if kept else "walked").inc()
         prefix_cache = keeps_prefix_cache(self.rule.enabled, self.rule.min_tokens, req.in_tokens, decision,
                                           req.prefix_cache)
         changes: dict[str, object] = {"rack": rack, "routed_ms": now_ms}
@@ -84,7 +90,8 @@ class RackRouting:
         return codec.with_overlay(fields, **changes), kept
 
     def decision_event(self, seen: Mapping[str, RackView], ids: list[str], choices: list[str],
-                       walked: Mapping[str, float], cached_seen: Mapping[str, float], now_ms: float) -> DecisionEvent:
+                       walked: Mapping[str, float], cached_seen: Mapping[str, float], now_ms: float,
+                       actor: str) -> DecisionEvent:
         """The batch's choices, with the views the policy saw before its first request (what replay checks)."""
         scores = {f"load:{k}": v.load for k, v in seen.items()}
         scores.update({f"healthy:{k}": float(v.healthy) for k, v in seen.items()})
@@ -93,7 +100,7 @@ class RackRouting:
         scores.update(walked)
         scores.update(cached_seen)
         return DecisionEvent(kind="route", policy=self.policy.name, choice=choices[0], request_ids=tuple(ids),
-                             ts_ms=now_ms, scores=scores, draw=-1.0, choices=tuple(choices))
+                             ts_ms=now_ms, scores=scores, draw=-1.0, choices=tuple(choices), actor=actor)
 
 
 @dataclasses.dataclass
@@ -109,14 +116,16 @@ class InlineRoute:
     write raises."""
 
     def __init__(self, config: RackflowConfig, producer: StreamProducer, policy: RackAffinityRouter,
-                 feed: PrefixFeed | None) -> None:
-        self.routing = RackRouting(config, policy, feed)
+                 feed: PrefixFeed | None, routed: Counter | None = None) -> None:
+        self.routing = RackRouting(config, policy, feed, routed)
         self.producer = producer
         self._pending: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
         self._base: Mapping[str, RackView] | None = None
         self._views: dict[str, RackView] = {}
         """The views last handed in, charged with every request routed on them since (until fresher ones come)."""
+        self.actor = f"gateway-{uuid.uuid4().hex[:12]}"
+        """This gateway's name on its route decisions (replay keeps each routing process's policy apart)."""
         self.routed = 0
         self.round_trips = 0
 
@@ -176,7 +185,8 @@ class InlineRoute:
                 walked[f"walked:{req.request_id}"] = 1.0
         if not sent:
             return
-        out.append((keys.DECISIONS, codec.encode(rt.decision_event(seen, ids, choices, walked, cached_seen, now))))
+        out.append((keys.DECISIONS, codec.encode(rt.decision_event(seen, ids, choices, walked, cached_seen, now,
+                                                                   self.actor))))
         replies = await self.producer.add_each(out)
         self.round_trips += 1
         for k, p in enumerate(sent):

@@ -110,6 +110,7 @@ class ReplyMux:
         self._waiters: dict[str, _Waiter] = {}
         self._last = "0-0"
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         self._behind = False
         """The reader's last read was full: more is waiting on the reply stream (no result counts as missed)."""
         self._catching = asyncio.Semaphore(CATCH_UP_CONCURRENCY)
@@ -124,9 +125,14 @@ class ReplyMux:
                        asyncio.create_task(self._sweep_loop(), name="reply-sweep")]
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._closing = True
+        pending = set(self._tasks)
+        while pending:
+            # a cancel can be lost in redis-py's connection handling (a blocking read that ends as the cancel
+            # lands): the loops also stop on `_closing`, and a task still running is cancelled again
+            for t in pending:
+                t.cancel()
+            _done, pending = await asyncio.wait(pending, timeout=1.0)
         self._tasks = []
         try:  # nothing reads it any more (results stay in rf:out:{id}): let it go soon
             await self.r.expire(self.key, 5)
@@ -239,7 +245,7 @@ class ReplyMux:
     async def _read_loop(self) -> None:
         retry = Retrying(_BACKOFF)
         failed = False
-        while True:
+        while not self._closing:
             try:
                 if not self.ready:
                     await self._create()
@@ -325,7 +331,7 @@ class ReplyMux:
     async def _sweep_loop(self) -> None:
         refresh_every = max(1.0, self.ttl_s / 4)
         refreshed = time.monotonic()
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.sweep_s)
             try:
                 if time.monotonic() - refreshed >= refresh_every:
