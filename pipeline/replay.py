@@ -42,9 +42,11 @@ from pipeline.routing.views import NodeView, RackView
 VIEW_FIELDS = (
     "active", "vram_total_gb", "free_vram_gb", "pcie_util_pct", "avg_latency_ms", "kv_capacity_kb", "kv_free_kb",
     "running", "waiting", "prefill_tokens", "decode_seqs", "decode_tokens", "kv_usage", "slowdown", "max_seqs",
+    "prefill_slowdown",
 )
 """The NodeView fields a window record carries, in order (a record written before a field existed is shorter: the
-missing fields take their defaults)."""
+missing fields take their defaults). `prefill_slowdown` None (the node learned no prefill speed of its own) is
+recorded as -1."""
 NODE_PREFIX = "node:"
 BLOCKS_PREFIX = "blk:"
 """`blk:{k:08d}:{node}`: the k-th block event the batcher's prefix index applied before this close: (cleared,
@@ -179,7 +181,7 @@ def with_node_policy(config: RackflowConfig, policy: str | None) -> RackflowConf
 
 
 def view_inputs(v: NodeView) -> tuple[float, ...]:
-    return tuple(float(getattr(v, f)) for f in VIEW_FIELDS)
+    return tuple(float(x) if (x := getattr(v, f)) is not None else -1.0 for f in VIEW_FIELDS)
 
 
 def view_from_inputs(name: str, t: Sequence[float]) -> NodeView:
@@ -191,6 +193,7 @@ def view_from_inputs(name: str, t: Sequence[float]) -> NodeView:
         waiting=int(vals["waiting"]), prefill_tokens=int(vals.get("prefill_tokens", 0)),
         decode_seqs=int(vals.get("decode_seqs", 0)), decode_tokens=int(vals.get("decode_tokens", 0)),
         kv_usage=vals.get("kv_usage", 0.0), slowdown=vals.get("slowdown", 1.0), max_seqs=int(vals.get("max_seqs", 0)),
+        prefill_slowdown=ps if (ps := vals.get("prefill_slowdown", -1.0)) >= 0 else None,
     )
 
 

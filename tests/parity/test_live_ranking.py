@@ -70,7 +70,9 @@ def multiturn_case(config: RackflowConfig) -> list[TraceRequest]:
 
 
 CASES = {
-    "mooncake": (mooncake_case, ("round_robin", "least_outstanding", "work_aware")),
+    # least_outstanding was the middle one until the simulator stopped handing the policies the true output lengths
+    # (the oracle-free simulator): now 10,247 ms against round robin's 10,882, too close to tell apart; random 26,848
+    "mooncake": (mooncake_case, ("random", "round_robin", "work_aware")),
     "multiturn": (multiturn_case, ("random", "dynamo", "work_aware")),
 }
 

@@ -278,3 +278,20 @@ def test_route_decisions_of_several_routing_processes_replay_each_with_its_own_p
     for d in decisions:
         merged.decision(dataclasses.replace(d, actor=""))
     assert merged.finish().route_matched < len(reqs)
+
+
+def test_a_window_record_keeps_each_node_view_whole_the_learned_prefill_speed_included() -> None:
+    """Every NodeView field a node policy reads is in the record: `work_aware` prices prefill with the node's learned
+    prefill slowdown, and a replay without it placed 138 of 858 requests elsewhere (the parity tier's multiturn)."""
+    import dataclasses as dc
+
+    from pipeline.replay import VIEW_FIELDS, view_from_inputs, view_inputs
+
+    v = NodeView("r0-n1", True, 80.0, 40.0, 0.0, 12.0, 1e7, 4e6, running=3, waiting=2, prefill_tokens=900,
+                 decode_seqs=3, decode_tokens=4000, kv_usage=0.4, slowdown=1.3, max_seqs=64, prefill_slowdown=1.8)
+    assert {f.name for f in dc.fields(NodeView)} - {"name"} == set(VIEW_FIELDS)
+    assert view_from_inputs(v.name, view_inputs(v)) == v
+    unlearned = dc.replace(v, prefill_slowdown=None)
+    assert view_from_inputs(v.name, view_inputs(unlearned)) == unlearned
+    # a record written before the field existed: the view as it was then (prefill priced at `slowdown`)
+    assert view_from_inputs(v.name, view_inputs(v)[:-1]) == unlearned
