@@ -676,6 +676,11 @@ class GatewayConfig(_Strict):
     it reads it again: a user sending many requests costs one read per interval, not one round trip per request
     (0: read it for every request). The EWMA moves by a fifth of a completion's difference, so a value this old is
     the estimate of one or two completions ago."""
+    files_dir: str = ".rackflow/files"
+    """Where `/v1/files` keeps uploaded batch inputs and the batches' output and error files (a local directory;
+    gateways that share files need a shared volume). Relative paths are from the working directory."""
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024, le=1024**4)
+    """Largest file `POST /v1/files` takes (OpenAI's batch input limit: 200 MB); larger gets 413."""
     request_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
     """How long the gateway waits for a request's final result before answering with a timeout error."""
     max_n: int = Field(default=16, ge=1, le=128)

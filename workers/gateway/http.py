@@ -677,12 +677,14 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
     `etcd_url` is the sequence registry a job cancel finds the node of a running request in (without it, workers
     still abort a cancelled request through its cancellation marker, within a status interval).
     """
+    from workers.gateway.files_api import FilesApi
     from workers.gateway.jobs_api import JobsApi
 
     authn = Authenticator(config.gateway.auth, no_auth)
     metrics = GatewayMetrics()
     api = _Api(config, authn, metrics, engine or config.policies.worker.engine)
     jobs_api = JobsApi(config, api, redis_url, etcd_url)
+    files_api = FilesApi(config, api)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -709,6 +711,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         await core.start_routing(metrics.routed)
         api.attach(core)
         await jobs_api.start(r)
+        await files_api.start()
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")
         try:
             yield
@@ -776,6 +779,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         return await api.result(request, request_id)
 
     jobs_api.register(app)  # POST /v1/jobs, GET|DELETE /v1/jobs/{id}, POST /v1/jobs/{id}/cancel
+    files_api.register(app)  # POST|GET /v1/files, GET|DELETE /v1/files/{id}, GET /v1/files/{id}/content
 
     @app.get("/healthz")
     async def healthz() -> Response:
