@@ -21,6 +21,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.errors import RackflowError
+
 STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -36,7 +38,7 @@ WINDOW_S = {"24h": 86_400}
 """Completion windows and their length in seconds (OpenAI accepts only 24 h)."""
 
 
-class BatchTransitionError(ValueError):
+class BatchTransitionError(RackflowError, ValueError):
     """A status change that OpenAI's life cycle does not allow (for a cancel: 409 on the API)."""
 
 
