@@ -6,7 +6,9 @@ can take still reaches the router."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import time
 import uuid
 
 import pytest
@@ -51,6 +53,21 @@ async def _nodes_up(r, config: RackflowConfig) -> None:  # type: ignore[no-untyp
         await r.hset(keys.node_status(n.name), mapping=codec.encode(ev))
 
 
+@contextlib.asynccontextmanager
+async def _gateway(config: RackflowConfig, redis_url: str, nodes_up: bool = True):  # type: ignore[no-untyped-def]
+    """A gateway core on the test's Valkey, routing as `config` says; with `nodes_up`, every node has reported."""
+    r = connect(redis_url)
+    gw = Gateway(config, r)
+    try:
+        if nodes_up:
+            await _nodes_up(r, config)
+        await gw.start_routing()
+        yield r, gw
+    finally:
+        await gw.stop_routing()
+        await r.aclose()
+
+
 async def _requests(r, stream: str) -> list[RequestEvent]:  # type: ignore[no-untyped-def]
     out = []
     for _eid, fields in await r.xrange(stream):
@@ -65,11 +82,7 @@ def test_requests_admitted_together_go_to_their_racks_in_one_round_trip(clean_se
     config = _config(config_file)
 
     async def run() -> None:
-        r = connect(clean_services.redis_url)
-        gw = Gateway(config, r)
-        try:
-            await _nodes_up(r, config)
-            await gw.start_routing()
+        async with _gateway(config, clean_services.redis_url) as (r, gw):
             assert gw.inline is not None
             _queues, views = await gw.rack_queues()
             reqs = [gw.profile(_input(i)) for i in range(40)]
@@ -102,9 +115,6 @@ def test_requests_admitted_together_go_to_their_racks_in_one_round_trip(clean_se
             assert [q.rack for q in record] == want
             assert dataclasses.replace(record[3], rack=None, routed_ms=0.0) == reqs[3]  # the request as admitted
             assert await r.xlen(keys.INGRESS) == 0  # no router hop
-        finally:
-            await gw.stop_routing()
-            await r.aclose()
 
     asyncio.run(run())
 
@@ -114,10 +124,7 @@ def test_admit_routes_inline_and_falls_back_to_the_router_without_a_healthy_rack
     config = _config(config_file)
 
     async def run() -> None:
-        r = connect(clean_services.redis_url)
-        gw = Gateway(config, r)
-        try:
-            await gw.start_routing()
+        async with _gateway(config, clean_services.redis_url, nodes_up=False) as (r, gw):
             # no node has reported: no rack is healthy, so the router gets it (it waits for a rack)
             first = await gw.admit(_input(0))
             assert [q.request_id for q in await _requests(r, keys.INGRESS)] == [first.request_id]
@@ -128,9 +135,6 @@ def test_admit_routes_inline_and_falls_back_to_the_router_without_a_healthy_rack
             second = await gw.admit(_input(1))
             assert [q.request_id for q in await _requests(r, keys.ADMITTED)] == [second.request_id]
             assert await r.xlen(keys.INGRESS) == 1
-        finally:
-            await gw.stop_routing()
-            await r.aclose()
 
     asyncio.run(run())
 
@@ -141,17 +145,10 @@ def test_gateway_routing_router_leaves_every_request_to_the_router(clean_service
     config = load_config(overrides=[config_file({**CLUSTER, "gateway": {"routing": "router"}})])
 
     async def run() -> None:
-        r = connect(clean_services.redis_url)
-        gw = Gateway(config, r)
-        try:
-            await gw.start_routing()
+        async with _gateway(config, clean_services.redis_url) as (r, gw):
             assert gw.inline is None
-            await _nodes_up(r, config)
             req = await gw.admit(_input(2))
             assert [q.request_id for q in await _requests(r, keys.INGRESS)] == [req.request_id]
-        finally:
-            await gw.stop_routing()
-            await r.aclose()
 
     asyncio.run(run())
 
@@ -164,11 +161,9 @@ def test_the_inline_route_weighs_where_a_prefix_is_cached(clean_services: Servic
     assert build_router(config).prefix_aware, "the default rack policy weighs cached prefixes"
 
     async def run() -> None:
-        r = connect(clean_services.redis_url)
-        gw = Gateway(config, r)
-        try:
-            await _nodes_up(r, config)
-            await gw.start_routing()
+        async with _gateway(config, clean_services.redis_url) as (r, gw):
+            assert gw.inline is not None and gw.inline.routing.feed is not None
+            feed = gw.inline.routing.feed
             ids = [(7 * i) % 30_000 for i in range(16_384)]  # a prefix worth more than user affinity (8,192 tokens)
             probe = gw.profile(ProfileInput(request_id="probe", tenant="t1", user_id="someone", model="qwen2-7b",
                                             arrival_ms=WALL.now_ms(), token_ids=ids, max_tokens=8))
@@ -179,18 +174,14 @@ def test_the_inline_route_weighs_where_a_prefix_is_cached(clean_services: Servic
             node = next(n.name for n in config.nodes() if config.rack_of(n.name) == holder)
             await r.xadd(keys.rack_blocks(holder), codec.encode(BlockEvent(
                 node=node, rack=holder, ts_ms=WALL.now_ms(), stored=tuple(probe.prefix_hashes))))
-            for _ in range(100):  # the feed applies it within one read
-                if gw.inline is not None and gw.inline.routing.feed is not None and \
-                        gw.inline.routing.feed.applied:
-                    break
+            deadline = time.monotonic() + 60  # the feed applies it within one read: wait for that, not a time
+            while not feed.applied:
+                assert time.monotonic() < deadline, "the gateway's prefix feed never applied the block event"
                 await asyncio.sleep(0.05)
             req = await gw.admit(ProfileInput(request_id=str(uuid.uuid4()), tenant="t1", user_id="someone",
                                               model="qwen2-7b", arrival_ms=WALL.now_ms(), token_ids=ids,
                                               max_tokens=8))
             routed = [q for q in await _requests(r, keys.ADMITTED) if q.request_id == req.request_id]
             assert routed and routed[0].rack == holder, (plain, holder, routed)
-        finally:
-            await gw.stop_routing()
-            await r.aclose()
 
     asyncio.run(run())

@@ -226,13 +226,17 @@ def test_recording_file_round_trips_and_refuses_damage(tmp_path: Path) -> None:
 def _two_routers_recording(config: RackflowConfig, actors: tuple[str, str]) -> tuple[list[RequestEvent],
                                                                                      list[DecisionEvent]]:
     """Route decisions of two routing processes (a router and a gateway that routes itself), interleaved batch by
-    batch, each with its own policy object: the share guard counts what its own process sent."""
+    batch, each with its own policy object, made by the code both run (RackRouting): the share guard counts what
+    its own process sent."""
+    from workers.stores.rack_routing import RackRouting
+
     rng = random.Random(11)
-    live = {a: rack_router(config) for a in actors}
+    live = {a: RackRouting(config, rack_router(config), None) for a in actors}
     reqs: list[RequestEvent] = []
     decisions: list[DecisionEvent] = []
     for b in range(60):
         actor = actors[0] if b % 3 else actors[1]  # unequal traffic: the guard's counts differ between the two
+        rt = live[actor]
         views = {rk: RackView(rk, True, float(rng.randrange(0, 4)), float(rng.randrange(0, 9000)),
                               4 if rk == "r0" else 3)
                  for rk in ("r0", "r1")}
@@ -241,43 +245,35 @@ def _two_routers_recording(config: RackflowConfig, actors: tuple[str, str]) -> t
         for _ in range(rng.randrange(1, 6)):
             req = _request(rng, len(reqs), 1000.0 + b, None)
             req = dataclasses.replace(req, user_id=f"user-{rng.randrange(3)}")  # few users: the guard walks them
-            rack = live[actor].route(req.user_id, req.model, views).rack
-            assert rack is not None
-            v = views[rack]
-            views[rack] = dataclasses.replace(v, load=v.load + 1.0, work=v.work + req.in_tokens
-                                              + config.policies.router.decode_weight_tokens)
-            reqs.append(dataclasses.replace(req, rack=rack))
+            d = rt.route(req, views, None)
+            assert d.rack is not None
+            rt.forward(codec.encode(req), req, d, views, 1000.0 + b, "test")  # charges the rack in `views`
+            reqs.append(dataclasses.replace(req, rack=d.rack))
             ids.append(req.request_id)
-            choices.append(rack)
-        scores = {f"load:{k}": v.load for k, v in seen.items()}
-        scores.update({f"healthy:{k}": 1.0 for k in seen})
-        scores.update({f"work:{k}": v.work for k, v in seen.items()})
-        scores.update({f"nodes:{k}": float(v.nodes) for k, v in seen.items()})
-        decisions.append(DecisionEvent(kind="route", policy="rack_affinity", choice=choices[0], request_ids=tuple(ids),
-                                       ts_ms=1000.0 + b, scores=scores, draw=-1.0, choices=tuple(choices),
-                                       actor=actor))
+            choices.append(d.rack)
+        decisions.append(rt.decision_event(seen, ids, choices, {}, {}, 1000.0 + b, actor))
     return reqs, decisions
+
+
+def _replayed(config: RackflowConfig, reqs: list[RequestEvent], decisions: list[DecisionEvent]) -> Replayer:
+    rp = Replayer(config)
+    for q in reqs:
+        rp.add_request(q)
+    for d in decisions:
+        rp.decision(d)
+    rp.finish()
+    return rp
 
 
 def test_route_decisions_of_several_routing_processes_replay_each_with_its_own_policy(tmp_path: Path) -> None:
     config = _config(tmp_path, "work_aware")
     assert config.policies.router.share_bound > 0  # the guard is on: a process's decisions depend on its history
     reqs, decisions = _two_routers_recording(config, ("router-1", "gateway-ab12"))
-    rp = Replayer(config)
-    for q in reqs:
-        rp.add_request(q)
-    for d in decisions:
-        rp.decision(d)
-    stats = rp.finish()
-    assert stats.route_decisions == len(reqs) and stats.route_matched == len(reqs), rp.differences[:3]
-
+    rp = _replayed(config, reqs, decisions)
+    assert rp.stats.route_decisions == len(reqs) and rp.stats.route_matched == len(reqs), rp.differences[:3]
     # the test can fail: one policy object for both processes (the old replay) re-decides some differently
-    merged = Replayer(config)
-    for q in reqs:
-        merged.add_request(q)
-    for d in decisions:
-        merged.decision(dataclasses.replace(d, actor=""))
-    assert merged.finish().route_matched < len(reqs)
+    merged = _replayed(config, reqs, [dataclasses.replace(d, actor="") for d in decisions])
+    assert merged.stats.route_matched < len(reqs)
 
 
 def test_a_window_record_keeps_each_node_view_whole_the_learned_prefill_speed_included() -> None:
