@@ -9,7 +9,10 @@ a request is shed (HTTP 429 with Retry-After) when the rack the router would sen
   which a saturated rack drains it; a burst after a quiet spell meets a rate measured while idle, which would shed
   requests the rack is about to serve.
 A rack's queue is what waits for a node: its batcher's backlog (stream lag + pending entries) plus the requests
-waiting in its nodes' engines. Pure: the caller passes what it read and the rate it measured.
+waiting in its nodes' engines. Priority classes (pipeline/priority.py): an interactive request is judged against the
+interactive queue alone (the queue less the batch requests in it: they yield to it), so admission never sheds an
+interactive request to keep a batch one; a batch request is judged against the whole queue.
+Pure: the caller passes what it read and the rate it measured.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.config import GatewayConfig
+from pipeline.priority import BATCH
 
 RATE_WINDOW_S = 3.0
 """The completion rate is measured over this many seconds (gateway and simulator alike)."""
@@ -53,10 +57,14 @@ class Admission:
             return self.retry_max
         return max(self.retry_min, min(self.retry_max, math.ceil(queued / rate_rps)))
 
-    def decide(self, queued: float, rate_rps: float | None, queued_for_s: float = math.inf) -> Verdict:
+    def decide(self, queued: float, rate_rps: float | None, queued_for_s: float = math.inf,
+               batch_queued: float = 0.0, priority: int = 0) -> Verdict:
         """`queued`: requests waiting in the rack the request would go to; `rate_rps`: that rack's completions per
         second over the last `RATE_WINDOW_S` (None before two samples); `queued_for_s`: how long that rack has had a
-        queue without a break."""
+        queue without a break; `batch_queued`: of `queued`, the batch-class requests; `priority`: the request's
+        class."""
+        if priority < BATCH:
+            queued = max(0.0, queued - batch_queued)
         wait = queued / rate_rps if rate_rps is not None and rate_rps > 0 else None
         if queued >= self.max_queue:
             return Verdict(False, ShedReason.RACK_QUEUE, self.retry_after(queued, rate_rps), wait)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pipeline.errors import RackflowError
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-TOP_LEVEL_KEYS = ("gpus", "models", "cluster", "policies", "gateway")
+TOP_LEVEL_KEYS = ("gpus", "models", "cluster", "policies", "gateway", "batches")
 """The sections of a configuration: one file each in the config directory, and the only keys an overlay may have."""
 CONFIG_FILES = tuple(f"{k}.yaml" for k in TOP_LEVEL_KEYS)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
@@ -415,6 +415,22 @@ class BatcherPolicy(_Strict):
     """Requests per batch in `fixed` mode (a partial batch leaves after `window_ms`)."""
     consumers_per_rack: int = Field(default=1, ge=1, le=64)
     """Batcher processes per rack started by `rackflow up` (one consumer group: any of them can die)."""
+    batch_yield: Literal["preempt", "hold"] = "preempt"
+    """How `batch`-class work (pipeline/priority.py) yields to interactive work. Either way a window places
+    interactive requests first and batch ones only on a node with a free sequence slot, so batch work waits here,
+    not in an engine's queue. `preempt`: an interactive request may be placed on a node whose slots and memory batch
+    sequences hold, and the engine preempts them for it (the `sim` engine, vLLM with `scheduling_policy: priority`);
+    `hold`: batch work is held back further, to nodes with `batch_hold_slots` of their slots free after it, and
+    never preempted."""
+    batch_hold_slots: float = Field(default=0.25, ge=0.0, lt=1.0)
+    """With `batch_yield: hold`, the share of a node's sequence slots that batch work leaves free for interactive
+    arrivals."""
+    fair_share: bool = True
+    """Within a class, requests of several tenants waiting in a window are placed in virtual-token-counter order
+    (pipeline/priority.py, OSDI '24): the tenant least served so far first. Off: smallest memory first, whoever
+    sent it."""
+    vtc_out_weight: float = Field(default=2.0, ge=0.0, le=100.0)
+    """A generated token's weight in the tenants' counters, a prompt token's being 1 (the paper's ratio)."""
 
 
 class TorchEngineConfig(_Strict):
@@ -712,6 +728,35 @@ class GatewayConfig(_Strict):
     time out together, the client can send a request on a connection the server is closing and get a reset."""
 
 
+class BatchesConfig(_Strict):
+    """The OpenAI Batch API's runner (workers/control/batches.py, docs/BATCH.md): how a batch's lines go through the
+    cluster, as `batch`-class requests (pipeline/priority.py)."""
+
+    max_in_flight: int = Field(default=256, ge=1, le=100_000)
+    """Lines of one batch admitted and not finished at a time: the batch's share of the queues. More gives the
+    batchers more to fill idle slots with; the batch class already keeps it behind interactive work."""
+    admit_concurrency: int = Field(default=32, ge=1, le=1024)
+    """Lines admitted together (one round of `Gateway.admit` calls at once) while the batch fills its
+    `max_in_flight`."""
+    poll_ms: int = Field(default=200, ge=10, le=60_000)
+    """How often the runner reads its lines' final-result markers (one MGET of every line in flight)."""
+    slice_s: float = Field(default=20.0, ge=1.0, le=3600.0)
+    """How long one run of the task works on a batch before it hands the batch to its next run (a new task
+    message). Keep it well under the Celery broker's visibility timeout (60 s, workers/control/app.py): a task held
+    longer than that is delivered a second time while it still runs."""
+    lease_s: float = Field(default=15.0, ge=1.0, le=3600.0)
+    """The runner's lease on its batch (renewed at every poll): a second delivery of the task waits for it, and a
+    runner killed outright gives the batch up when it runs out."""
+    line_timeout_s: float = Field(default=3600.0, gt=0, le=86_400 * 7)
+    """A line admitted this long ago without a final result is cancelled and ends in the error file (504,
+    `timeout`): a request the cluster lost cannot hold its batch forever."""
+    max_requests: int = Field(default=50_000, ge=1, le=50_000)
+    """Requests in one batch (OpenAI's limit, 50,000, is the most)."""
+    retention_s: int = Field(default=7 * 86_400, ge=3600, le=365 * 86_400)
+    """How long a batch's record and its lines' results stay in Valkey after its completion window (24 h) ends.
+    Its output and error files stay in the file store (`gateway.files_dir`) until deleted."""
+
+
 class TracingConfig(_Strict):
     enabled: bool = False
     """OpenTelemetry spans of each request across gateway -> router -> batcher -> worker (needs the `otel` extra;
@@ -773,6 +818,7 @@ class RackflowConfig(_Strict):
     cluster: ClusterSpec
     policies: Policies = Policies()
     gateway: GatewayConfig = GatewayConfig()
+    batches: BatchesConfig = BatchesConfig()
 
     @model_validator(mode="after")
     def _references(self) -> RackflowConfig:

@@ -225,6 +225,10 @@ class HealthEvent:
     """A worker's heartbeat: the next one comes within this many ms (it beats slower while idle:
     `worker.idle_status_interval_ms`), and the monitor judges its silence against it; 0: the configured
     `worker.status_interval_ms`."""
+    batch_seqs: int = 0
+    """Of the sequences running or waiting in the engine, those of the `batch` class (pipeline/priority.py)."""
+    batch_kv_kb: float = 0.0
+    """Their estimated KV memory (the batcher's units): what an interactive request may take from them."""
 
 
 @dataclass(frozen=True, slots=True)

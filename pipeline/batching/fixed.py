@@ -39,6 +39,11 @@ class FixedBatcher:
     def pending_count(self) -> int:
         return len(self.pending)
 
+    @property
+    def batch_waiting(self) -> int:
+        """The fixed baseline has no priority classes: every request is in `pending`, in arrival order."""
+        return 0
+
     def offer(self, req: PendingRequest) -> None:
         if self.window_open_ms is None:
             self.window_open_ms = req.enqueued_ms

@@ -15,7 +15,13 @@ Rules (ARCHITECTURE §3, seed §4):
 - what does not fit waits for the next window; a request that waited `age_after_windows` windows is packed first,
   and if it fits no node now, the node with the largest budget is reserved for it (it gets no other work), so a
   large request is never starved by a stream of small ones;
-- a request larger than every node's cap can never run and is rejected with a reason, never dropped.
+- a request larger than every node's cap can never run and is rejected with a reason, never dropped;
+- priority classes (pipeline/priority.py): interactive requests are placed first; `batch` ones wait in a queue of
+  their own and are placed after them, only on nodes with a free sequence slot (no engine queue), on the node with
+  the most free slots, in virtual-token-counter order between tenants. With `batch_yield: preempt` an interactive
+  request counts the slots and memory of the batch sequences on a node as its own (the engine preempts them for it);
+- with `fair_share`, fresh interactive requests of several tenants are placed in virtual-token-counter order (the
+  least served tenant first; each tenant's own smallest first), not by memory alone.
 Pure: the caller passes the time, the node views and the random source (inside the selector).
 """
 
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,10 +38,16 @@ from typing import ClassVar
 
 from pipeline.config import BatcherPolicy
 from pipeline.events import RequestEvent
+from pipeline.priority import BATCH, FairQueue, VirtualTokenCounter
 from pipeline.routing.node_policies.base import NodePolicy
 from pipeline.routing.registry import NodePolicySet
 from pipeline.routing.views import NodeView
 
+BATCH_POLICY = "batch_fill"
+"""The node choice of batch-class requests (recorded as the dispatch decision's policy): the node with the most free
+sequence slots, then the most budget, then by name."""
+MAX_BATCH_MISSES = 64
+"""Batch requests a close tries in a row that fit no node before it stops trying (the rest wait)."""
 MAX_WAIT_CHECKS = 64
 """Waiting requests a close asks their policy whether to keep waiting for a busy node (the rest are placed wherever
 there is room, or wait for the next close): bounds a close's cost under a long queue."""
@@ -161,17 +175,45 @@ class WindowBatcher:
     _seq: int = 0
     _fresh_min: float = float("inf")
     """The smallest memory estimate in `_fresh` (kept on offer and close: a close leaves them sorted by it)."""
+    _batch: FairQueue[PendingRequest] | None = None
+    """Batch-class requests waiting (created with the first one)."""
+    _vtc: VirtualTokenCounter | None = None
+    """Interactive tenants' counters (fair_share)."""
+    _waiting_tenants: frozenset[str] = frozenset()
+    """Tenants with interactive requests left waiting by the last close."""
+
+    def _counter(self) -> VirtualTokenCounter:
+        if self._vtc is None:
+            self._vtc = VirtualTokenCounter(1.0, self.policy.vtc_out_weight)
+        return self._vtc
+
+    def _batch_queue(self) -> FairQueue[PendingRequest]:
+        if self._batch is None:
+            self._batch = FairQueue(_tenant, _tokens, VirtualTokenCounter(1.0, self.policy.vtc_out_weight))
+        return self._batch
+
+    @property
+    def batch_waiting(self) -> int:
+        """Batch-class requests waiting."""
+        return len(self._batch) if self._batch is not None else 0
 
     @property
     def pending(self) -> list[PendingRequest]:
-        """Every waiting request (aged ones first, by arrival; then fresh ones in offer order)."""
-        return [a[3] for a in self._aged] + list(self._fresh)
+        """Every waiting request (aged ones first, by arrival; then fresh ones in offer order; then batch ones)."""
+        out = [a[3] for a in self._aged] + list(self._fresh)
+        if self._batch:
+            out.extend(self._batch.items())
+        return out
 
     @property
     def pending_count(self) -> int:
-        return len(self._aged) + len(self._fresh)
+        return len(self._aged) + len(self._fresh) + self.batch_waiting
 
     def offer(self, req: PendingRequest) -> None:
+        if req.request.priority >= BATCH:
+            req._attach(self._closes)
+            self._batch_queue().push(req)
+            return
         if self.window_open_ms is None:
             self.window_open_ms = req.enqueued_ms
         req._attach(self._closes)
@@ -183,11 +225,32 @@ class WindowBatcher:
         return self.node_models is None or model in self.node_models.get(node, frozenset())
 
     def budgets(self, nodes: Sequence[NodeView]) -> dict[str, float]:
+        """Per active node, the memory an interactive request may take: its free KV (with `batch_yield: preempt`,
+        plus what its batch sequences hold), within its cap; 0 without a free slot."""
+        pre = self.policy.batch_yield == "preempt"
         return {
-            n.name: (max(0.0, min(self.node_caps_kb.get(n.name, 0.0), n.kv_free_kb)) if _slots(n) > 0 else 0.0)
+            n.name: (max(0.0, min(self.node_caps_kb.get(n.name, 0.0),
+                                  n.kv_free_kb + (n.batch_kv_kb if pre else 0.0)))
+                     if _slots(n, pre) > 0 else 0.0)
             for n in nodes
             if n.active and n.name in self.node_caps_kb
         }
+
+    def _batch_slots(self, n: NodeView) -> float:
+        """Sequence slots a node has free for batch work: running slots nobody uses and nothing waiting for (with
+        `batch_yield: hold`, less `batch_hold_slots` of them); unknown slot bound: one, while nothing waits."""
+        if not n.active or n.name not in self.node_caps_kb:
+            return 0.0
+        if n.max_seqs <= 0:
+            return 1.0 if n.waiting == 0 else 0.0
+        free = n.max_seqs - (n.running + n.waiting)
+        if self.policy.batch_yield == "hold":
+            free -= math.ceil(self.policy.batch_hold_slots * n.max_seqs)
+        return float(free)
+
+    def batch_room(self, nodes: Sequence[NodeView]) -> bool:
+        """Some node has a free slot for batch work."""
+        return any(self._batch_slots(n) > 0 and n.kv_free_kb > 0 for n in nodes)
 
     def _late(self, policy: str) -> bool:
         """Late binding for requests of this node policy: `batcher.late_binding` `all`, or `policy` and the policy
@@ -214,6 +277,8 @@ class WindowBatcher:
 
     def close_reason(self, now_ms: float, nodes: Sequence[NodeView]) -> CloseReason:
         if not self._fresh and not self._aged:
+            if self._batch:  # batch work alone waits for room, not for a window
+                return CloseReason.ROOM if self.batch_room(nodes) else CloseReason.NOT_YET
             return CloseReason.EMPTY
         assert self.window_open_ms is not None
         if now_ms >= self.window_open_ms + self.policy.window_ms:  # same float expression as the timer
@@ -276,6 +341,11 @@ class WindowBatcher:
             else:
                 fresh.append(p)
         fresh.sort(key=_ORDER)
+        fair = False
+        if self.policy.fair_share and len(fresh) > 1:
+            ordered = self._fair_order(fresh)
+            fair = ordered is not fresh
+            fresh = ordered
         budgets = self.budgets(nodes)
         views = {n.name: n for n in nodes}
         reserved: str | None = None
@@ -307,12 +377,22 @@ class WindowBatcher:
         left_fresh: list[PendingRequest] = []
         for k, p in enumerate(fresh):
             if p.request.mem_est_kb > pack.max_budget:
-                left_fresh.extend(fresh[k:])
-                break
+                if not fair:
+                    left_fresh.extend(fresh[k:])
+                    break
+                left_fresh.append(p)  # in tenant order, a smaller one may come later
+                continue
             if not place(p):
                 left_fresh.append(p)
+        if fair:
+            left_fresh.sort(key=_ORDER)
         self._fresh = left_fresh
         self._fresh_min = left_fresh[0].request.mem_est_kb if left_fresh else float("inf")
+        if self.policy.fair_share:
+            self._waiting_tenants = frozenset(p.request.tenant for p in left_fresh) | frozenset(
+                e[3].request.tenant for e in self._aged)
+        if self._batch:
+            self._place_batch(pack, rejections)
         out = tuple(
             BatchPlan(
                 node, tuple(reqs), sum(q.request.mem_est_kb for q in reqs), opening_budget[node],
@@ -327,8 +407,88 @@ class WindowBatcher:
             stop = StopReason.NO_NODE
         else:
             stop = StopReason.NO_BUDGET
-        self.window_open_ms = now_ms if waiting else None
+        # the window is the interactive requests' (batch ones wait for room, not for a window)
+        self.window_open_ms = now_ms if self._fresh or self._aged else None
         return WindowOutcome(out, tuple(rejections), waiting, reserved, stop)
+
+    def _fair_order(self, fresh: list[PendingRequest]) -> list[PendingRequest]:
+        """Fresh interactive requests (sorted by memory) in virtual-token-counter order when several tenants sent
+        them: repeatedly the tenant with the smallest counter (as if each request before were placed), its smallest
+        request first. One tenant: `fresh` itself. A tenant that had nothing waiting starts at the smallest counter
+        of those that had (or, when none had, at the largest of those present): idle time earns no credit."""
+        by: dict[str, list[PendingRequest]] = {}
+        for p in fresh:
+            by.setdefault(p.request.tenant, []).append(p)
+        if len(by) < 2:
+            return fresh
+        vtc = self._counter()
+        was = [vtc.get(t) for t in by if t in self._waiting_tenants]
+        floor = min(was) if was else max(vtc.get(t) for t in by)
+        for t in by:
+            if t not in self._waiting_tenants:
+                vtc.lift(t, floor)
+        heap = [(vtc.get(t), t, 0) for t in by]
+        heapq.heapify(heap)
+        out: list[PendingRequest] = []
+        while heap:
+            c, t, k = heapq.heappop(heap)
+            p = by[t][k]
+            out.append(p)
+            if k + 1 < len(by[t]):
+                heapq.heappush(heap, (c + vtc.cost(p.request.in_tokens, p.request.out_tokens), t, k + 1))
+        return out
+
+    def _place_batch(self, pack: _Packing, rejections: list[Rejection]) -> None:
+        """Batch requests, after every interactive one this close placed: only on nodes with a free slot for batch
+        work (`_batch_slots`) and the memory, the node with the most free slots first; in the tenants'
+        virtual-token-counter order. What fits nowhere waits (no aging: batch work waits as long as it must)."""
+        queue = self._batch
+        assert queue is not None
+        views = pack.views
+        slots = {n.name: self._batch_slots(n) for n in views.values()}
+        room = {n: min(self.node_caps_kb.get(n, 0.0), views[n].kv_free_kb) for n, k in slots.items() if k > 0}
+        room = {n: b for n, b in room.items() if b > 0}
+        if not room:
+            return
+        placed: list[PendingRequest] = []
+        misses = 0
+        caps: dict[str, float] = {}
+        for p in queue.drain_order():
+            req = p.request
+            cap = caps.get(req.model)
+            if cap is None:
+                cap = caps[req.model] = self._cap_for(req.model)
+            if cap <= 0 or req.mem_est_kb < 0 or req.mem_est_kb > cap:
+                why = (f"no node of this rack serves model {req.model!r}" if cap <= 0 else
+                       f"estimated memory {req.mem_est_kb:g} KB is negative" if req.mem_est_kb < 0 else
+                       f"estimated memory {req.mem_est_kb / 1e6:.1f} GB exceeds the largest node budget "
+                       f"{cap / 1e6:.1f} GB for {req.model} in this rack; shorten the prompt or max_tokens")
+                rejections.append(Rejection(p, why))
+                placed.append(p)  # out of the queue (not charged: it never runs)
+                continue
+            cands = [n for n, b in room.items() if b >= req.mem_est_kb and self.serves(n, req.model)]
+            if not cands:
+                misses += 1
+                if misses >= MAX_BATCH_MISSES:
+                    break
+                continue
+            misses = 0
+            node = max(cands, key=lambda n: (slots[n], room[n], n))
+            pack.plans.setdefault(node, []).append(p)
+            pack.choices.setdefault(node, []).append(
+                DispatchChoice(BATCH_POLICY, node, (req.request_id,), 0.0,
+                               {n: slots[n] for n in sorted(cands)}))
+            views[node] = views[node].with_placed(req.mem_est_kb, req.in_tokens, batch=True)
+            slots[node] -= 1
+            room[node] -= req.mem_est_kb
+            if slots[node] <= 0 or room[node] <= 0:
+                del room[node]
+            placed.append(p)
+            queue.vtc.charge(req.tenant, req.in_tokens, req.out_tokens)
+            if not room:
+                break
+        if placed:
+            queue.remove(placed)
 
 
 class _Packing:
@@ -345,7 +505,7 @@ class _Packing:
         self.horizon = batcher.policy.max_queued_prefill_tokens
         self.budgets = budgets
         self.views = views
-        self.slots = {n: _slots(views[n]) for n in budgets}
+        self.slots = {n: _slots(views[n], batcher.policy.batch_yield == "preempt") for n in budgets}
         self.plans: dict[str, list[PendingRequest]] = {}
         self.choices: dict[str, list[DispatchChoice]] = {}
         self.opened: dict[tuple[str, str], list[str]] = {}
@@ -432,6 +592,8 @@ class _Packing:
     def commit(self, p: PendingRequest, node: str, pol: NodePolicy) -> None:
         budgets, slots = self.budgets, self.slots
         req = p.request
+        if self.b.policy.fair_share:
+            self.b._counter().charge(req.tenant, req.in_tokens, req.out_tokens)
         mem = req.mem_est_kb
         self.plans.setdefault(node, []).append(p)
         budgets[node] -= mem
@@ -444,9 +606,18 @@ class _Packing:
         pol.observe(node, req)
 
 
-def _slots(n: NodeView) -> float:
+def _slots(n: NodeView, preempt: bool = False) -> float:
     """Sequences a node can still start soon: free running slots plus one (the next one queued), unbounded when the
-    engine does not say how many it runs."""
+    engine does not say how many it runs. `preempt`: its batch sequences' slots count as free (the engine preempts
+    them for an interactive request)."""
     if n.max_seqs <= 0:
         return float("inf")
-    return n.max_seqs + 1 - (n.running + n.waiting)
+    return n.max_seqs + 1 - (n.running + n.waiting - (n.batch_seqs if preempt else 0))
+
+
+def _tenant(p: PendingRequest) -> str:
+    return p.request.tenant
+
+
+def _tokens(p: PendingRequest) -> tuple[int, int]:
+    return p.request.in_tokens, p.request.out_tokens

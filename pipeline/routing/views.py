@@ -56,18 +56,23 @@ class NodeView:
     prefill_slowdown: float | None = None
     """The same ratio for the prefill part of iterations, learned apart from the decode part's (`slowdown`):
     `pipeline.costmodel.online.SpeedBelief`; None: as `slowdown`."""
+    batch_seqs: int = 0
+    """Of `running + waiting`, the sequences of the `batch` class: an interactive request takes their slots and
+    memory (the engine preempts them, `batcher.batch_yield: preempt`)."""
+    batch_kv_kb: float = 0.0
+    """The estimated KV memory those batch sequences hold."""
 
     @property
     def idle(self) -> bool:
         return self.running == 0 and self.waiting == 0
 
-    def with_placed(self, mem_kb: float, prompt_tokens: int) -> NodeView:
+    def with_placed(self, mem_kb: float, prompt_tokens: int, batch: bool = False) -> NodeView:
         """The view after a batcher placed one more request on the node (it waits there: its memory reserved, its
-        prompt queued for prefill). `dataclasses.replace` with those three fields, without its per-call field
-        introspection (a close places every request through this)."""
+        prompt queued for prefill; `batch`: a batch-class one). `dataclasses.replace` with those fields, without its
+        per-call field introspection (a close places every request through this)."""
         return NodeView(
             self.name, self.active, self.vram_total_gb, self.free_vram_gb, self.pcie_util_pct, self.avg_latency_ms,
             self.kv_capacity_kb, max(0.0, self.kv_free_kb - mem_kb), self.running, self.waiting + 1,
             self.prefill_tokens + prompt_tokens, self.decode_seqs, self.decode_tokens, self.kv_usage, self.slowdown,
-            self.max_seqs, self.prefill_slowdown,
+            self.max_seqs, self.prefill_slowdown, self.batch_seqs + batch, self.batch_kv_kb + (mem_kb if batch else 0.0),
         )

@@ -59,6 +59,9 @@ class SimSeq:
     """Of `cached`, the tokens loaded back from the host-memory tier (charged to its first prefill chunk)."""
     resident: bool = False
     """Its KV is already here (moved in with it): admission prefills only the token that continues it."""
+    priority: int = 0
+    """Its class (pipeline/priority.py): 0 interactive, 1 batch. Interactive sequences are admitted and prefilled
+    first; one that finds no free slot or no KV room preempts a batch sequence when `preempt_batch` is on."""
 
 
 @dataclass(slots=True)
@@ -100,6 +103,7 @@ class SimNode:
         max_stretch_steps: int = 0,
         world: NodeWorld | None = None,
         prefix_shares_kv: bool = False,
+        preempt_batch: bool = True,
     ) -> None:
         self.name = name
         self.rack = rack
@@ -130,6 +134,15 @@ class SimNode:
         self.slowdown = 1.0
         """EWMA of (iteration time / the cost model's time for it): what the live worker measures."""
         self.waiting: deque[SimSeq] = deque()
+        """Interactive sequences first, then batch ones (each in arrival order)."""
+        self.batch_seqs = 0
+        """Batch-class sequences on the node, waiting or running (NodeView.batch_seqs)."""
+        self.batch_mem_kb = 0.0
+        """Their memory estimates (NodeView.batch_kv_kb)."""
+        self.preempt_batch = preempt_batch
+        """An interactive sequence that finds no free slot or KV room preempts the newest batch sequence (vLLM's
+        priority scheduling); off: it waits for one to end (batch work is only held back upstream)."""
+        self.priority_preemptions = 0
         self.prefilling: list[SimSeq] = []
         self.decoding: dict[int, SimSeq] = {}
         self._finish_heap: list[tuple[int, int]] = []
@@ -226,9 +239,28 @@ class SimNode:
 
     # -- intake --------------------------------------------------------------------------------------------------
     def submit(self, seq: SimSeq) -> None:
-        self.waiting.append(seq)
+        if seq.priority:
+            self.batch_seqs += 1
+            self.batch_mem_kb += seq.mem_est_kb
+            self.waiting.append(seq)
+        else:
+            self._wait_interactive(seq)
         self.mem_est_used += seq.mem_est_kb
         self.prefill_backlog += seq.prompt
+
+    def _unbatch(self, s: SimSeq) -> None:
+        if s.priority:
+            self.batch_seqs -= 1
+            self.batch_mem_kb = self.batch_mem_kb - s.mem_est_kb if self.batch_seqs else 0.0
+
+    def _wait_interactive(self, seq: SimSeq) -> None:
+        """Queue an interactive sequence behind the interactive ones waiting, ahead of every batch one."""
+        if self.batch_seqs and self.waiting and self.waiting[-1].priority:
+            for k, w in enumerate(self.waiting):
+                if w.priority:
+                    self.waiting.insert(k, seq)
+                    return
+        self.waiting.append(seq)
 
     @property
     def kv_usage(self) -> float:
@@ -248,7 +280,8 @@ class SimNode:
             out.append(s)
         for s in self.decoding.values():
             done = self.steps - s.started_step
-            out.append(SimSeq(s.rid, s.prompt + done, s.remaining - done, s.mem_est_kb, s.prefix))
+            out.append(SimSeq(s.rid, s.prompt + done, s.remaining - done, s.mem_est_kb, s.prefix,
+                              priority=s.priority))
         self.waiting.clear()
         self.prefilling.clear()
         self.decoding.clear()
@@ -256,11 +289,13 @@ class SimNode:
         self.kv_tokens = self.kv_decoding = 0
         self.mem_est_used = 0.0
         self.prefill_backlog = 0
+        self.batch_seqs = 0
+        self.batch_mem_kb = 0.0
         self.phase = None
         self.epoch += 1
         self.alive = self.accepting = False
         self.prefix.clear()  # a dead node's GPU and host memory are gone
-        return [SimSeq(s.rid, s.prompt, s.remaining, s.mem_est_kb, s.prefix) for s in out]
+        return [SimSeq(s.rid, s.prompt, s.remaining, s.mem_est_kb, s.prefix, priority=s.priority) for s in out]
 
     def abort(self, rid: int) -> SimSeq | None:
         """Take one sequence out (a cancel, a release for migration) with its accounting; None if it is not here.
@@ -271,6 +306,7 @@ class SimNode:
                 self.waiting.remove(s)
                 self.prefill_backlog -= s.prompt
                 self.mem_est_used -= s.mem_est_kb
+                self._unbatch(s)
                 return s
         for s in self.prefilling:
             if s.rid == rid:
@@ -278,10 +314,12 @@ class SimNode:
                 self.prefill_backlog -= s.prompt - s.prefilled
                 self.kv_tokens -= s.prompt
                 self.mem_est_used -= s.mem_est_kb
+                self._unbatch(s)
                 return s
         if rid not in self.decoding:
             return None
         s = self.decoding.pop(rid)
+        self._unbatch(s)
         tokens = s.prompt + (self.steps - s.started_step)
         self.kv_tokens -= tokens
         self.kv_decoding -= tokens
@@ -339,13 +377,28 @@ class SimNode:
     def _admit(self, now: float) -> None:
         # vLLM v1's scheduler: a waiting request is scheduled only with what the iteration's token budget has left
         # after the running ones (decode tokens and prefill chunks in progress); the rest stay waiting, holding no
-        # KV blocks, and count in the engine's queue (num_requests_waiting)
+        # KV blocks, and count in the engine's queue (num_requests_waiting). With batch-class sequences here, an
+        # interactive one is admitted first, and (preempt_batch) takes a batch one's slot or KV room
         budget = self.max_batched_tokens - len(self.decoding)
         queued = sum(x.prompt - x.prefilled for x in self.prefilling)
-        while self.waiting and self.running < self.max_num_seqs and (queued < budget or not self.running):
+        while self.waiting:
             s = self.waiting[0]
+            urgent = not s.priority and self.batch_seqs > 0
+            if urgent:
+                # batch prefills run after interactive ones: only the interactive queue counts against this one
+                q = sum(x.prompt - x.prefilled for x in self.prefilling if not x.priority)
+                if self.preempt_batch:
+                    while self.running >= self.max_num_seqs and self._preempt_batch():
+                        pass
+            else:
+                q = queued
+            if not (self.running < self.max_num_seqs and (q < budget or not self.running)):
+                return
             # its prompt, its first token, and one more token for each decoding sequence in this iteration
             need = self._blocks(s.prompt + 1) * self.block_size + len(self.decoding)
+            if urgent and self.preempt_batch:
+                while need > self._free_tokens() and self._preempt_batch():
+                    need = self._blocks(s.prompt + 1) * self.block_size + len(self.decoding)
             if need > self._free_tokens() and self.running:
                 return
             self.waiting.popleft()
@@ -357,14 +410,51 @@ class SimNode:
             self.host_hit_tokens += s.host_tokens
             self.prefill_backlog -= s.cached
             self.kv_tokens += s.prompt
-            self.prefilling.append(s)
+            if urgent:  # ahead of the batch prefills: its chunks are cut first
+                k = next((k for k, x in enumerate(self.prefilling) if x.priority), len(self.prefilling))
+                self.prefilling.insert(k, s)
+            else:
+                self.prefilling.append(s)
             queued += s.prompt - s.prefilled
 
+    def _requeue_batch(self, seq: SimSeq) -> None:
+        """A preempted batch sequence waits first among the batch ones (behind every interactive one)."""
+        k = next((k for k, w in enumerate(self.waiting) if w.priority), len(self.waiting))
+        self.waiting.insert(k, seq)
+
+    def _preempt_batch(self) -> bool:
+        """Preempt the newest batch sequence (decoding, else prefilling) for an interactive one: recompute, as
+        vLLM's priority policy does. False when none runs."""
+        victims = [r for r, x in self.decoding.items() if x.priority]
+        if victims:
+            self._preempt_decoding(max(victims, key=lambda r: (self.decoding[r].admitted_ms, r)))
+        else:
+            pre = [x for x in self.prefilling if x.priority]
+            if not pre:
+                return False
+            s = max(pre, key=lambda x: (x.admitted_ms, x.rid))
+            self.prefilling.remove(s)
+            self.kv_tokens -= s.prompt
+            self.prefill_backlog += s.prefilled
+            self.prompt_tokens -= s.prompt
+            self.cached_tokens -= s.cached
+            s.prefilled = s.cached = s.host_tokens = 0
+            self._requeue_batch(s)
+            self.preemptions += 1
+            self.preempted.add(s.rid)
+        self.priority_preemptions += 1
+        return True
+
     def _preempt_one(self) -> bool:
-        """Recompute preemption of the most recently admitted decoding sequence."""
+        """Recompute preemption of the most recently admitted decoding sequence (a batch one first)."""
         if not self.decoding:
             return False
-        rid = max(self.decoding, key=lambda r: (self.decoding[r].admitted_ms, r))
+        pool = [r for r, x in self.decoding.items() if x.priority] if self.batch_seqs else []
+        rid = max(pool or self.decoding, key=lambda r: (self.decoding[r].admitted_ms, r))
+        self._preempt_decoding(rid)
+        return True
+
+    def _preempt_decoding(self, rid: int) -> None:
         s = self.decoding.pop(rid)
         done = self.steps - s.started_step
         tokens = s.prompt + done
@@ -372,11 +462,14 @@ class SimNode:
         self.kv_decoding -= tokens
         self._finish_heap = [(f, r) for f, r in self._finish_heap if r != rid]
         heapq.heapify(self._finish_heap)
-        self.waiting.appendleft(SimSeq(s.rid, tokens, s.remaining - done, s.mem_est_kb, s.prefix))
+        back = SimSeq(s.rid, tokens, s.remaining - done, s.mem_est_kb, s.prefix, priority=s.priority)
+        if s.priority:
+            self._requeue_batch(back)
+        else:
+            self.waiting.appendleft(back)
         self.prefill_backlog += tokens
         self.preemptions += 1
         self.preempted.add(s.rid)
-        return True
 
     def schedule(self, now: float) -> float | None:
         """Start the next iteration or decode stretch if idle; returns when it ends (None: nothing to do)."""
@@ -529,6 +622,7 @@ class SimNode:
     def _release(self, s: SimSeq, res: StepResult, now: float, kv_done: bool = False) -> None:
         if not kv_done:
             self.kv_tokens -= s.prompt + 1
+        self._unbatch(s)
         self.mem_est_used -= s.mem_est_kb
         res.finished.append(FinishedSeq(s.rid, now))
         res.freed = True

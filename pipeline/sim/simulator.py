@@ -254,6 +254,9 @@ class Simulator:
         self._gw_at = -math.inf
         self._gw_refresh_ms = float(config.gateway.saturation_refresh_ms)
         self._gw_queued: dict[str, int] = {}
+        self._gw_batch: dict[str, int] = {}
+        """Per rack, of its queue as the gateway read it, the batch-class requests (in its batcher, waiting in its
+        engines)."""
         self._gw_views: dict[str, RackView] = {}
         self._gw_summary: dict[str, RackSummary] = {}
         """Per model, the gateway router's summary of `_gw_views` (they change only at the gateway's reads)."""
@@ -338,6 +341,7 @@ class Simulator:
             host_link_gbps=gpu.pcie_gbps / 2 * spec.tp, block_listener=events,
             util_bin_ms=self.params.util_bin_ms, preempted=self.preempted,
             prefix_shares_kv=self.params.prefix_shares_kv,
+            preempt_batch=self.config.policies.batcher.batch_yield == "preempt",
         )
 
     # -- event plumbing --------------------------------------------------------------------------------------------
@@ -372,12 +376,13 @@ class Simulator:
             max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
             prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=n.slowdown, max_seqs=n.max_num_seqs,
+            batch_seqs=n.batch_seqs, batch_kv_kb=n.batch_mem_kb,
         ) if self.oracle else NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
             max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
             prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=self.beliefs[i].decode, max_seqs=n.max_num_seqs,
-            prefill_slowdown=self.beliefs[i].prefill,
+            prefill_slowdown=self.beliefs[i].prefill, batch_seqs=n.batch_seqs, batch_kv_kb=n.batch_mem_kb,
         )
         return v
 
@@ -424,7 +429,7 @@ class Simulator:
         mem = estimate_mem_kb(model, tr.in_tokens, expected, prof.estimator, prof.shape_margin)
         self.mem_est[rid] = mem
         self._refresh_rack_work(now)
-        if self.admission is not None and not self._admit(tr.user_id or f"anon-{rid}", model_name, now):
+        if self.admission is not None and not self._admit(tr.user_id or f"anon-{rid}", model_name, now, tr.priority):
             self.shed += 1
             self._drop(rid, "shed (429)")
             return
@@ -461,9 +466,9 @@ class Simulator:
         expected = self.expected_out[rid]
         mt = self.max_tokens[rid]
         req = RequestEvent(
-            str(rid), 1, "sim", tr.user_id, model_name, tr.in_tokens, expected, mt if mt is not None else expected,
-            mem, tr.arrival_ms,
-            prefix_cache=keep, rack=d.rack, prefix_hashes=tr.prefix_hashes,
+            str(rid), 1, tr.tenant or "sim", tr.user_id, model_name, tr.in_tokens, expected,
+            mt if mt is not None else expected, mem, tr.arrival_ms,
+            priority=tr.priority, prefix_cache=keep, rack=d.rack, prefix_hashes=tr.prefix_hashes,
         )
         rack = self.racks[d.rack]
         self._rack_load(rack, +1)
@@ -484,13 +489,18 @@ class Simulator:
         self._gw_at = now
         queued: dict[str, int] = {}
         views: dict[str, RackView] = {}
+        batch = self._gw_batch
         for name, rack in self.racks.items():
             waiting = running = 0
+            in_engines = 0
             for i in rack.nodes:
                 n = self.nodes[i]
                 waiting += len(n.waiting)
                 running += len(n.prefilling) + len(n.decoding)
+                if n.batch_seqs:
+                    in_engines += min(len(n.waiting), n.batch_seqs)
             queued[name] = rack.batcher.pending_count + waiting
+            batch[name] = rack.batcher.batch_waiting + in_engines
             views[name] = RackView(name, self.rack_views[name].healthy, float(queued[name] + running))
         since = self._queued_since
         for name, q in queued.items():
@@ -502,7 +512,7 @@ class Simulator:
         self._gw_summary = {}
         return queued, views
 
-    def _admit(self, user: str, model: str, now: float) -> bool:
+    def _admit(self, user: str, model: str, now: float, priority: int = 0) -> bool:
         """The gateway's admission (pipeline.admission): the rack it predicts for the request, that rack's queue
         (batcher backlog + requests waiting in its engines) and the cluster's completion rate of the last 3 s, one
         share of it per rack."""
@@ -523,7 +533,8 @@ class Simulator:
             rate = len(done) * 1000.0 / span / max(1, len(self.racks))
         since = self._queued_since
         queued_for = (now - since[target]) / 1000.0 if target in since else 0.0
-        return self.admission.decide(queued[target], rate, queued_for).admit
+        return self.admission.decide(queued[target], rate, queued_for, self._gw_batch.get(target, 0),
+                                     priority).admit
 
     def _drop(self, rid: int, reason: str) -> None:
         if not self.dropped[rid]:
@@ -561,7 +572,7 @@ class Simulator:
                 tr = self.reqs[rid]
                 prefix = tr.prefix_hashes if p.request.prefix_cache else ()
                 prompt, remaining = self.requeued.pop(rid, (tr.in_tokens, tr.out_tokens))
-                seqs.append(SimSeq(rid, prompt, remaining, self.mem_est[rid], prefix))
+                seqs.append(SimSeq(rid, prompt, remaining, self.mem_est[rid], prefix, priority=tr.priority))
             # in flight until the worker has it: the live batcher's ReservationLedger keeps it in the node's view
             # (memory reserved, requests waiting, prompts queued) until the node's status shows it admitted
             cp = self._cp
@@ -693,8 +704,9 @@ class Simulator:
             if m.dst is None:  # nowhere to go now: back through the rack's batcher
                 tr = self.reqs[s.rid]
                 self.requeued[s.rid] = (s.prompt, s.remaining)
-                req = RequestEvent(m.seq_id, 2, "sim", tr.user_id, tr.model or self.default_model, s.prompt,
-                                   s.remaining, s.remaining, s.mem_est_kb, tr.arrival_ms, rack=node.rack)
+                req = RequestEvent(m.seq_id, 2, tr.tenant or "sim", tr.user_id, tr.model or self.default_model,
+                                   s.prompt, s.remaining, s.remaining, s.mem_est_kb, tr.arrival_ms,
+                                   priority=tr.priority, rack=node.rack)
                 rack.batcher.offer(PendingRequest(req, m.seq_id, now))
                 self._try_close(rack, now)
                 continue

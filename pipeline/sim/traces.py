@@ -31,6 +31,10 @@ class TraceRequest:
     """What the client sends as `max_tokens` (None: unset). `out_tokens` is the true length, which the engine alone
     learns (it stops there); the control plane sees only this, the user's history and the model default
     (`pipeline.sim.world.ClientModel` draws it; the oracle mode hands the control plane `out_tokens` instead)."""
+    tenant: str = ""
+    """Whose request it is (fair shares are between tenants); empty: the simulation's one tenant, `sim`."""
+    priority: int = 0
+    """Its class (pipeline/priority.py): 0 interactive, 1 batch."""
 
 
 class TraceError(RackflowError, ValueError):
@@ -263,6 +267,6 @@ def superpose(reqs: Sequence[TraceRequest], copies: int, rng: random.Random) -> 
         for r in reqs:  # the constructor, not dataclasses.replace: 2 M copies at 50 M requests a day
             user = f"{r.user_id}#{k}" if r.user_id and k else r.user_id
             out.append(TraceRequest(r.arrival_ms + shift, r.in_tokens, r.out_tokens, user, r.prefix_hashes, r.model,
-                                    r.max_tokens))
+                                    r.max_tokens, r.tenant, r.priority))
     out.sort(key=lambda r: r.arrival_ms)
     return out

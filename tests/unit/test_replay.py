@@ -290,4 +290,9 @@ def test_a_window_record_keeps_each_node_view_whole_the_learned_prefill_speed_in
     unlearned = dc.replace(v, prefill_slowdown=None)
     assert view_from_inputs(v.name, view_inputs(unlearned)) == unlearned
     # a record written before the field existed: the view as it was then (prefill priced at `slowdown`)
-    assert view_from_inputs(v.name, view_inputs(v)[:-1]) == unlearned
+    cut = VIEW_FIELDS.index("prefill_slowdown")
+    assert view_from_inputs(v.name, view_inputs(v)[:cut]) == unlearned
+    # the batch-class fields: kept, and 0 in a record written before them
+    busy = dc.replace(v, batch_seqs=2, batch_kv_kb=1.5e6)
+    assert view_from_inputs(v.name, view_inputs(busy)) == busy
+    assert view_from_inputs(v.name, view_inputs(busy)[:cut + 1]) == v

@@ -17,23 +17,29 @@ def test_with_placed_is_replace_of_its_three_fields_and_copies_every_other_field
     got = v.with_placed(3e6, 512)
     want = dataclasses.replace(v, kv_free_kb=2e7 - 3e6, waiting=3, prefill_tokens=1412)
     assert got == want
+    b = dataclasses.replace(v, batch_seqs=2, batch_kv_kb=1e6)
+    assert b.with_placed(3e6, 512, batch=True) == dataclasses.replace(
+        b, kv_free_kb=2e7 - 3e6, waiting=3, prefill_tokens=1412, batch_seqs=3, batch_kv_kb=4e6)
+    assert b.with_placed(3e6, 512) == dataclasses.replace(b, kv_free_kb=2e7 - 3e6, waiting=3, prefill_tokens=1412)
     # a field added to NodeView must be added to with_placed: it builds the view positionally
-    assert ([f.name for f in dataclasses.fields(NodeView)][-1] == "prefill_slowdown"
-            and len(dataclasses.fields(NodeView)) == 17)
+    assert ([f.name for f in dataclasses.fields(NodeView)][-1] == "batch_kv_kb"
+            and len(dataclasses.fields(NodeView)) == 19)
     assert v.with_placed(3e7, 1).kv_free_kb == 0.0
 
 
 def test_superpose_copies_every_field_of_a_request() -> None:
-    reqs = [TraceRequest(10.0 * i, 100 + i, 5 + i, f"u{i}", (i, i + 1), "m", 64 * i or None) for i in range(5)]
+    reqs = [TraceRequest(10.0 * i, 100 + i, 5 + i, f"u{i}", (i, i + 1), "m", 64 * i or None, f"t{i % 2}", i % 2)
+            for i in range(5)]
     out = superpose(reqs, 3, random.Random(1))
     assert len(out) == 15
     for r in out:
         base = reqs[r.in_tokens - 100]
-        assert (r.out_tokens, r.prefix_hashes, r.model, r.max_tokens) == (
-            base.out_tokens, base.prefix_hashes, base.model, base.max_tokens)
+        assert (r.out_tokens, r.prefix_hashes, r.model, r.max_tokens, r.tenant, r.priority) == (
+            base.out_tokens, base.prefix_hashes, base.model, base.max_tokens, base.tenant, base.priority)
         assert r.user_id.split("#")[0] == base.user_id
     assert [f.name for f in dataclasses.fields(TraceRequest)] == [
-        "arrival_ms", "in_tokens", "out_tokens", "user_id", "prefix_hashes", "model", "max_tokens"]
+        "arrival_ms", "in_tokens", "out_tokens", "user_id", "prefix_hashes", "model", "max_tokens", "tenant",
+        "priority"]
 
 
 def test_one_chunk_step_time_is_the_general_loops_to_the_last_bit() -> None:

@@ -33,6 +33,7 @@ def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callabl
             prefix_block_tokens=bt,
             host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
             world=_sim_world(config, node),
+            preempt_batch=config.policies.batcher.batch_yield == "preempt",
         )
     if engine == "torch":
         # imported here: torch and transformers load only in workers that run this engine

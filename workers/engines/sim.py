@@ -1,7 +1,9 @@
 """`sim` engine: the simulator's engine model (`pipeline.sim.node.SimNode`) run in real time, with placeholder tokens.
 
 Not a mock: it is the very engine model the simulator runs, so a live cluster of `sim` workers and `rackflow sim`
-schedule alike. It behaves like vLLM v1: FCFS admission within the iteration's token budget (chunked prefill, 8,192
+schedule alike. It behaves like vLLM v1 (with `--scheduling-policy priority` where batch-class requests are present:
+interactive sequences first, a batch one preempted for an interactive one that finds no slot or KV room): FCFS
+admission within the iteration's token budget (chunked prefill, 8,192
 tokens counting the decode tokens) while KV blocks and the sequence limit allow, automatic prefix caching in blocks
 of chained prefix hashes with a host-memory tier below it, recompute preemption of the youngest sequence when KV runs
 out; each iteration takes the time the calibrated cost model gives for the node's GPU and model (times an injected
@@ -101,6 +103,7 @@ class SimEngine:
         prefix_block_tokens: int = 512,
         host_cache_blocks: int = 0,
         world: NodeWorld | None = None,
+        preempt_batch: bool = True,
     ) -> None:
         self.cost = cost
         self.zero_time = zero_time
@@ -121,7 +124,7 @@ class SimEngine:
             kv_bytes_per_token=m.kv_bytes_per_token, prefix_block_tokens=prefix_block_tokens,
             host_cache_blocks=host_cache_blocks, host_link_gbps=cost.gpu.pcie_gbps / 2 * cost.tp,
             block_listener=lambda stored, removed: self.block_events.append((stored, removed)),
-            max_stretch_steps=1, world=world,
+            max_stretch_steps=1, world=world, preempt_batch=preempt_batch,
         )
         self.belief = SpeedBelief()
         """What the node's iterations say of its speed against the cost model (reported as `slowdown` and
@@ -173,7 +176,7 @@ class SimEngine:
         # the answer's own end, where it comes before max_tokens: the sequence ends there ("stop")
         stop_at = min(req.max_tokens, seq.natural) if seq.natural > 0 else req.max_tokens
         self.node.submit(SimSeq(rid, prompt, max(1, stop_at - generated), req.mem_est_kb, prefix,
-                                resident=resident))
+                                resident=resident, priority=req.priority))
 
     def submit(self, req: RequestEvent) -> None:
         self._add(req, 0, resident=False)

@@ -225,8 +225,9 @@ class Batcher:
 
     async def _publish_backlog(self) -> None:
         """The prompt tokens this batcher holds, for the router's work figure of the rack."""
-        tokens = sum(p.request.in_tokens for p in self.window.pending)
+        tokens = sum(p.request.in_tokens for p in self.window.pending if not p.request.priority)
         await self.r.hset(keys.rack_status(self.rack), mapping={f"tokens:{self.actor}": str(tokens),
+                                                                 f"batch:{self.actor}": str(self.window.batch_waiting),
                                                                  f"ts:{self.actor}": str(WALL.now_ms())})
 
     async def _refresh(self) -> bool:

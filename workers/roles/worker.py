@@ -708,6 +708,7 @@ class Worker:
             # those units, so a request the node's budget holds is never held back by the stand-in's byte count.
             kv_capacity_kb = self.config.node_kv_capacity_kb(self.node)
             kv_used_kb = sum(live.req.mem_est_kb for live in self.live.values())
+        batch = [live.req.mem_est_kb for live in self.live.values() if live.req.priority]
         return HealthEvent(
             node=self.node,
             rack=self.rack,
@@ -734,6 +735,8 @@ class Worker:
             kv_blocks_free=s.kv_blocks_free,
             kv_block_tokens=s.kv_block_tokens,
             next_ms=self._beat_ms,
+            batch_seqs=len(batch),
+            batch_kv_kb=sum(batch),
         )
 
     async def publish_status(self) -> None:

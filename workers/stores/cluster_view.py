@@ -65,6 +65,8 @@ def node_view_from_status(
         slowdown=status.slowdown,
         max_seqs=status.max_seqs,
         prefill_slowdown=status.prefill_slowdown if status.prefill_slowdown > 0 else None,
+        batch_seqs=status.batch_seqs,
+        batch_kv_kb=status.batch_kv_kb,
     )
 
 
@@ -80,17 +82,20 @@ def _free_gb(status: HealthEvent, gpu: HealthEvent | None) -> float:
     return min(gpu.gpu_mem_free_gb, gpu.gpu_mem_total_gb * engine_frac)
 
 
-def pending_tokens(fields: Mapping[bytes | str, bytes | str], now_ms: float, stale_ms: float) -> float:
+def pending_tokens(fields: Mapping[bytes | str, bytes | str], now_ms: float, stale_ms: float,
+                   what: str = "tokens") -> float:
     """Prompt tokens the batchers of a rack hold, from its status hash: `tokens:{actor}` and `ts:{actor}` per
-    batcher; a batcher that stopped writing (older than stale_ms) is not counted."""
+    batcher; a batcher that stopped writing (older than stale_ms) is not counted. `what="batch"`: the batch-class
+    requests they hold (`batch:{actor}`)."""
     vals = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in fields.items()}
     total = 0.0
+    prefix = what + ":"
     for k, v in vals.items():
-        if not k.startswith("tokens:"):
+        if not k.startswith(prefix):
             continue
         try:
-            if now_ms - float(vals.get("ts:" + k[7:], "0")) <= stale_ms:
+            if now_ms - float(vals.get("ts:" + k[len(prefix):], "0")) <= stale_ms:
                 total += float(v)
         except ValueError:
             continue
@@ -125,6 +130,8 @@ class ClusterView:
     rack_backlog: dict[str, int] = field(default_factory=dict)
     rack_pending_tokens: dict[str, float] = field(default_factory=dict)
     """Prompt tokens of the requests a rack's batchers hold (their `rf:rack:{R}:status`)."""
+    rack_batch_backlog: dict[str, float] = field(default_factory=dict)
+    """Of the rack's backlog, the batch-class requests its batchers hold."""
     decode_weight_tokens: float = 256.0
     raise_on_denied: bool = False
     """An ACL denial of a queue read raises NoPermissionError (the gateway: without its queue figures it could not
@@ -165,8 +172,9 @@ class ClusterView:
                     if g.get("name") in (keys.GROUP_BATCHER, keys.GROUP_BATCHER.encode()):
                         backlog = int(g.get("lag") or 0) + int(g.get("pending") or 0)
                 self.rack_backlog[rack] = backlog
-                self.rack_pending_tokens[rack] = pending_tokens(await self.r.hgetall(keys.rack_status(rack)),
-                                                                self._now_ms(), self.stale_ms)
+                status = await self.r.hgetall(keys.rack_status(rack))
+                self.rack_pending_tokens[rack] = pending_tokens(status, self._now_ms(), self.stale_ms)
+                self.rack_batch_backlog[rack] = pending_tokens(status, self._now_ms(), self.stale_ms, "batch")
 
     async def refresh_statuses(self, nodes: list[str]) -> None:
         """Only the status hashes of `nodes` (one round trip, no etcd, no GPU hashes): a batcher watching its own

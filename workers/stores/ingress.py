@@ -105,6 +105,8 @@ class Gateway:
         self._backlog = (-math.inf, 0)  # (monotonic time read, value)
         self._backlog_lock = asyncio.Lock()
         self._queues: dict[str, int] = {}
+        self._batch_queues: dict[str, float] = {}
+        """Per rack, of its queue, the batch-class requests (in its batchers, and waiting in its engines)."""
         self._views: dict[str, RackView] = {}
         self._rack_policy: RackAffinityRouter = build_router(config, prefix_aware=False)
         """The router's rack policy, without the prefix index (the router's own input): the gateway predicts the
@@ -285,9 +287,13 @@ class Gateway:
             raise
         now_ms = WALL.now_ms()
         views = self.view.rack_views(now_ms)
-        queues = {rk: self.view.rack_backlog.get(rk, 0) + sum(n.waiting for n in self.view.node_views(now_ms, rk)
-                                                              if n.active)
-                  for rk in self.config.rack_names()}
+        queues: dict[str, int] = {}
+        for rk in self.config.rack_names():
+            active = [n for n in self.view.node_views(now_ms, rk) if n.active]
+            queues[rk] = self.view.rack_backlog.get(rk, 0) + sum(n.waiting for n in active)
+            # batch sequences waiting in an engine are at most its batch sequences (some of them run)
+            self._batch_queues[rk] = (self.view.rack_batch_backlog.get(rk, 0.0)
+                                      + sum(min(n.waiting, n.batch_seqs) for n in active))
         try:
             info = await self.r.xinfo_stream(keys.RESULTS)
             added = info.get("entries-added")
@@ -352,7 +358,8 @@ class Gateway:
         if rack is not None:
             since = self._queued_since.get(rack)
             verdict = self.admission.decide(queues.get(rack, 0), self.rack_rate(1),
-                                            time.monotonic() - since if since is not None else 0.0)
+                                            time.monotonic() - since if since is not None else 0.0,
+                                            self._batch_queues.get(rack, 0.0), req.priority)
             if not verdict.admit:
                 # the router would queue it behind a full rack (its bounded-load walk found no rack with room)
                 gw = self.config.gateway
