@@ -484,6 +484,10 @@ class VllmEngineConfig(_Strict):
     dynamo, lmetric) see no prefix cached there."""
     ignore_eos: bool = False
     """Run every sequence to max_tokens even past the end-of-sequence token (benchmarks)."""
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    """vLLM's `--scheduling-policy`. `priority`: each request carries its class (pipeline/priority.py: 0
+    interactive, 1 batch) and vLLM's scheduler admits the interactive ones first and, when KV blocks run out,
+    preempts the lowest class first. `fcfs`: vLLM's default, every request alike."""
     cpu_nice: int = Field(default=10, ge=0, le=19)
     """On vLLM's CPU build, how far below normal the worker and vLLM's processes run, so that the control plane
     beside them on the same cores is never starved (0: normal priority; no effect on a GPU). Measured on a 2-core
@@ -655,6 +659,17 @@ class AuthConfig(_Strict):
     """Tenant of unauthenticated requests (mode `none`)."""
 
 
+class TenantPolicy(_Strict):
+    """What a tenant's requests get by default (`gateway.tenants.{name}`); its tokens' claims may narrow it."""
+
+    priority: Literal["interactive", "batch"] | None = None
+    """The class of the tenant's requests when neither the request (`X-Priority`, `service_tier`) nor its token's
+    `priority` claim says (pipeline/priority.py); None: interactive."""
+    tpm: int | None = Field(default=None, ge=1, le=10**12)
+    """Tokens per minute the tenant's interactive requests may be charged (prompt + expected output), across every
+    gateway (workers/stores/rate_limit.py); a token's `tpm` claim takes precedence. None: no limit."""
+
+
 class GatewayConfig(_Strict):
     host: str = "127.0.0.1"
     """Address the HTTP server binds."""
@@ -662,6 +677,8 @@ class GatewayConfig(_Strict):
     """HTTP port (0: any free port, printed at start)."""
     auth: AuthConfig = AuthConfig()
     """Bearer-token verification."""
+    tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    """Per tenant: its default priority class and its tokens-per-minute limit (docs/PRIORITY.md)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=1024**3)
     """Larger request bodies get 413."""
     max_ingress_backlog: int = Field(default=20_000, ge=1, le=100_000_000)

@@ -126,6 +126,37 @@ def job_admitted(request_id: str) -> str:
     return f"rf:job:{{{request_id}}}:admitted"
 
 
+
+def batch(batch_id: str) -> str:
+    """A Batch API batch (hash: `record`, the OpenAI batch object as data (pipeline/batch_state.py); `completed`,
+    `failed`, its line counts; `tenant`, `user`, `models`, who created it and what its lines may use; `next`, the
+    token of the task run expected next; `lease`'s holder is in `batch_lease`). The per-batch keys share its hash
+    tag, so one script touches them together, also on Redis Cluster."""
+    return f"rf:batch:{{{batch_id}}}"
+
+
+def batch_lines(batch_id: str) -> str:
+    """A batch's ended lines (hash: line index -> its output- or error-file line, JSON), each written once."""
+    return f"rf:batch:{{{batch_id}}}:lines"
+
+
+def batch_admitted(batch_id: str) -> str:
+    """A batch's admitted lines (hash: line index -> `admitted_ms,max_tokens`): a resumed runner waits for these
+    instead of admitting them again."""
+    return f"rf:batch:{{{batch_id}}}:admitted"
+
+
+def batch_lease(batch_id: str) -> str:
+    """The runner that holds the batch (a token with a TTL, renewed while it works)."""
+    return f"rf:batch:{{{batch_id}}}:lease"
+
+
+def tenant_batches(tenant_hash: str) -> str:
+    """A tenant's batches (sorted set: batch id by creation time), for `GET /v1/batches`; `tenant_hash` is a hash of
+    the tenant's name (a token's claim is never a key by itself)."""
+    return f"rf:batches:{{{tenant_hash}}}"
+
+
 # etcd keys
 ETCD_PREFIX = "/rackflow/"
 ETCD_NODES = "/rackflow/nodes/"
@@ -158,6 +189,12 @@ def etcd_seq(seq_id: str) -> str:
 def user_out_ewma(tenant: str, user_id: str) -> str:
     """A user's output-length EWMA (profiling's output estimate), per tenant."""
     return f"rf:user:{{{tenant}:{user_id}}}:out_ewma"
+
+
+def tenant_tpm(tenant: str, minute: int) -> str:
+    """The tokens a tenant's interactive requests were charged in one wall-clock minute (workers/stores/rate_limit.py;
+    an integer string, expires after two minutes)."""
+    return f"rf:tpm:{{{tenant}}}:{minute}"
 
 
 def seq_released(seq_id: str, version: int) -> str:

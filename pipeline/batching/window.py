@@ -34,7 +34,7 @@ import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from pipeline.config import BatcherPolicy
 from pipeline.events import RequestEvent
@@ -52,6 +52,7 @@ MAX_WAIT_CHECKS = 64
 """Waiting requests a close asks their policy whether to keep waiting for a busy node (the rest are placed wherever
 there is room, or wait for the next close): bounds a close's cost under a long queue."""
 _ORDER = operator.attrgetter("order")
+_E = TypeVar("_E", "PendingRequest", "tuple[float, str, int, PendingRequest]")
 _LateBinds = Callable[[Sequence[NodeView], RequestEvent], bool]
 
 
@@ -362,17 +363,29 @@ class WindowBatcher:
         pack = _Packing(self, now_ms, budgets, views)
         place = pack.place
 
-        # aged requests first, oldest first (first fit); stop as soon as no budget holds the smallest of them
-        kept: list[tuple[float, str, int, PendingRequest]] = []
-        for k, entry in enumerate(self._aged):
-            if not self._aged_mems or pack.max_budget < self._aged_mems[0]:
-                kept.extend(self._aged[k:])
-                break
-            if place(entry[3]):
-                del self._aged_mems[bisect.bisect_left(self._aged_mems, entry[3].request.mem_est_kb)]
-            else:
-                kept.append(entry)
-        self._aged = kept
+        # aged requests first, oldest first (first fit; with fair_share and several tenants, the oldest of the least
+        # served tenant first); stop as soon as no budget holds the smallest of them
+        aged = self._fair_aged() if self.policy.fair_share and len(self._aged) > 1 else self._aged
+        if aged is self._aged:
+            kept: list[tuple[float, str, int, PendingRequest]] = []
+            for k, entry in enumerate(self._aged):
+                if not self._aged_mems or pack.max_budget < self._aged_mems[0]:
+                    kept.extend(self._aged[k:])
+                    break
+                if place(entry[3]):
+                    del self._aged_mems[bisect.bisect_left(self._aged_mems, entry[3].request.mem_est_kb)]
+                else:
+                    kept.append(entry)
+            self._aged = kept
+        else:
+            placed_aged: set[int] = set()
+            for entry in aged:
+                if not self._aged_mems or pack.max_budget < self._aged_mems[0]:
+                    break
+                if place(entry[3]):
+                    del self._aged_mems[bisect.bisect_left(self._aged_mems, entry[3].request.mem_est_kb)]
+                    placed_aged.add(id(entry[3]))
+            self._aged = [e for e in self._aged if id(e[3]) not in placed_aged]
         # then fresh ones by ascending memory: once one does not fit anywhere, no larger one does
         left_fresh: list[PendingRequest] = []
         for k, p in enumerate(fresh):
@@ -414,13 +427,29 @@ class WindowBatcher:
     def _fair_order(self, fresh: list[PendingRequest]) -> list[PendingRequest]:
         """Fresh interactive requests (sorted by memory) in virtual-token-counter order when several tenants sent
         them: repeatedly the tenant with the smallest counter (as if each request before were placed), its smallest
-        request first. One tenant: `fresh` itself. A tenant that had nothing waiting starts at the smallest counter
-        of those that had (or, when none had, at the largest of those present): idle time earns no credit."""
+        request first. One tenant: `fresh` itself."""
         by: dict[str, list[PendingRequest]] = {}
         for p in fresh:
             by.setdefault(p.request.tenant, []).append(p)
         if len(by) < 2:
             return fresh
+        return self._interleave(by)
+
+    def _fair_aged(self) -> list[tuple[float, str, int, PendingRequest]]:
+        """The aged requests, oldest first per tenant, the tenants interleaved by their counters (as `_fair_order`);
+        one tenant: `_aged` itself."""
+        by: dict[str, list[tuple[float, str, int, PendingRequest]]] = {}
+        for e in self._aged:
+            by.setdefault(e[3].request.tenant, []).append(e)
+        if len(by) < 2:
+            return self._aged
+        return self._interleave(by)
+
+    def _interleave(self, by: dict[str, list[_E]]) -> list[_E]:
+        """Items grouped by tenant, in virtual-token-counter order: repeatedly the tenant with the smallest counter
+        (as if each item handed out before were placed), its next item. A tenant that had nothing waiting starts at
+        the smallest counter of those that had (or, when none had, at the largest of those present): idle time earns
+        no credit."""
         vtc = self._counter()
         was = [vtc.get(t) for t in by if t in self._waiting_tenants]
         floor = min(was) if was else max(vtc.get(t) for t in by)
@@ -429,13 +458,14 @@ class WindowBatcher:
                 vtc.lift(t, floor)
         heap = [(vtc.get(t), t, 0) for t in by]
         heapq.heapify(heap)
-        out: list[PendingRequest] = []
+        out: list[_E] = []
         while heap:
             c, t, k = heapq.heappop(heap)
-            p = by[t][k]
-            out.append(p)
+            item = by[t][k]
+            out.append(item)
             if k + 1 < len(by[t]):
-                heapq.heappush(heap, (c + vtc.cost(p.request.in_tokens, p.request.out_tokens), t, k + 1))
+                req = item[3].request if isinstance(item, tuple) else item.request
+                heapq.heappush(heap, (c + vtc.cost(req.in_tokens, req.out_tokens), t, k + 1))
         return out
 
     def _place_batch(self, pack: _Packing, rejections: list[Rejection]) -> None:

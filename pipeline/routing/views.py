@@ -74,5 +74,6 @@ class NodeView:
             self.name, self.active, self.vram_total_gb, self.free_vram_gb, self.pcie_util_pct, self.avg_latency_ms,
             self.kv_capacity_kb, max(0.0, self.kv_free_kb - mem_kb), self.running, self.waiting + 1,
             self.prefill_tokens + prompt_tokens, self.decode_seqs, self.decode_tokens, self.kv_usage, self.slowdown,
-            self.max_seqs, self.prefill_slowdown, self.batch_seqs + batch, self.batch_kv_kb + (mem_kb if batch else 0.0),
+            self.max_seqs, self.prefill_slowdown, self.batch_seqs + batch,
+            self.batch_kv_kb + (mem_kb if batch else 0.0),
         )

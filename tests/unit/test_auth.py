@@ -61,6 +61,14 @@ def test_minted_token_round_trips_with_models_and_default_model(hs256: AuthConfi
     assert info.value.status == 403 and "qwen2-72b" in str(info.value) and "qwen2-7b" in str(info.value)
 
 
+def test_minted_token_carries_its_class_ceiling_and_its_tenants_token_limit(hs256: AuthConfig) -> None:
+    tok = mint_token(hs256, tenant="acme", sub="bot", priority="batch", tpm=90_000, ttl_s=60)
+    p = Authenticator(hs256, no_auth=False).verify(f"Bearer {tok}")
+    assert (p.priority, p.tpm) == (1, 90_000)
+    with pytest.raises(AuthError, match="allowed: interactive, batch"):
+        mint_token(hs256, tenant="acme", sub="bot", priority="urgent")
+
+
 def test_expired_token_says_expired(hs256: AuthConfig) -> None:
     old = int(time.time()) - 3600
     e = _refused(Authenticator(hs256, no_auth=False), f"Bearer {_token(_claims(iat=old, exp=old + 60))}")
@@ -108,7 +116,8 @@ def test_missing_claim_is_named(hs256: AuthConfig, claim: str) -> None:
 @pytest.mark.parametrize(
     ("claims", "word"),
     [({"tenant": 5}, "tenant"), ({"tenant": ""}, "tenant"), ({"models": "qwen2-7b"}, "models"),
-     ({"models": [1]}, "models"), ({"model": ["x"]}, "model")],
+     ({"models": [1]}, "models"), ({"model": ["x"]}, "model"), ({"priority": "urgent"}, "priority"),
+     ({"tpm": "100"}, "tpm"), ({"tpm": 0}, "tpm")],
 )
 def test_malformed_claims(hs256: AuthConfig, claims: dict[str, object], word: str) -> None:
     e = _refused(Authenticator(hs256, no_auth=False), f"Bearer {_token(_claims(**claims))}")

@@ -183,3 +183,21 @@ def test_without_preemption_an_interactive_sequence_waits_first_in_line() -> Non
     n.submit(SimSeq(4, 100, 5, 1.0))
     t = n.schedule(t) or t
     assert n.priority_preemptions == 0 and [s.rid for s in n.waiting] == [4, 3]
+
+
+def test_aged_requests_of_several_tenants_are_placed_fairly_too_not_oldest_first() -> None:
+    """Under sustained overload every request ages: the aged order must be fair as well, or the heavier tenant's
+    older requests would take the room in proportion to its demand."""
+    b = window_batcher({"n1": 72e6}, 0, selection={"policy": "round_robin"}, age_after_windows=1)
+    heavy = [_req(tenant="heavy", arrival_ms=float(i)) for i in range(9)]
+    light = [_req(tenant="light", arrival_ms=100.0 + i) for i in range(3)]
+    for p in heavy + light:
+        b.offer(p)
+    full = [node_view("n1", max_seqs=4, running=4, waiting=1)]
+    b.close(0.0, full)  # nothing placed: all wait, and age
+    b.close(1.0, full)
+    out = b.close(2.0, [node_view("n1", max_seqs=5)])
+    got = sorted(p.request.tenant for plan in out.plans for p in plan.requests)
+    assert got == ["heavy"] * 3 + ["light"] * 3, got
+    oldest_heavy = [p.request.arrival_ms for plan in out.plans for p in plan.requests if p.request.tenant == "heavy"]
+    assert sorted(oldest_heavy) == [0.0, 1.0, 2.0]  # within a tenant, oldest first

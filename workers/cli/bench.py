@@ -1,4 +1,5 @@
-"""`rackflow bench streams|profile|route|pipeline|batching|kv|failover|gateway|streams-capacity|soak|idle|engines`: the
+"""`rackflow bench streams|profile|route|pipeline|batching|kv|failover|gateway|streams-capacity|soak|idle|engines|
+priority|fairness`: the
 benchmarks (`workers/bench/`), medians and ratios measured side by side; `engines` re-runs itself in .venv-vllm;
 `soak` starts its own durable services unless given `--redis-url` (then it cannot restart Valkey, and says so)."""
 
@@ -60,6 +61,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # a soak that lost, doubled or failed a request, or whose roles died unasked, fails the command
         return 0 if res["lost"] == res["duplicates"] == res["client_errors"] == 0 and \
             not res["unexpected_exits"] else 1
+
+    if args.what in ("priority", "fairness"):
+        from workers.bench.micro import _print
+        from workers.bench.priority import bench_fairness, bench_priority
+
+        if args.what == "priority":
+            res = bench_priority(args.redis_url, args.etcd_url, repeats=args.repeats, phase_s=args.phase_s,
+                                 batch_yield=args.batch_yield, progress=not args.no_progress)
+        else:
+            res = bench_fairness(args.redis_url, args.etcd_url, repeats=args.repeats, fair_s=args.fair_s,
+                                 fair=not args.no_fair, progress=not args.no_progress)
+        _print(res, args.json)
+        return 0 if res["lost"] == 0 else 1
 
     if args.what == "idle":
         from workers.bench.idle import bench_idle
@@ -162,6 +176,21 @@ def _flags() -> dict[str, dict[str, Any]]:
         type=float,
         default=30.0,
         help="idle: seconds measured while nothing is sent (after 10 s of settling)"),
+    "--phase-s": dict(
+        type=float,
+        default=45.0,
+        help="priority: seconds of interactive load in each phase (alone, then with the batch backlog)"),
+    "--batch-yield": dict(
+        choices=["preempt", "hold"],
+        default="preempt",
+        help="priority: how batch work yields to interactive work (policies.batcher.batch_yield)"),
+    "--fair-s": dict(
+        type=float,
+        default=130.0,
+        help="fairness: seconds the two tenants send (the first 10 s, while the queues form, are not scored)"),
+    "--no-fair": dict(
+        action="store_true",
+        help="fairness: the batchers' fair share off (the baseline: smallest memory first, whoever sent it)"),
     "--minutes": dict(
         type=float,
         default=20.0,
@@ -186,6 +215,10 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
                  *OUT]),
     "streams-capacity": ("concurrent streaming requests one gateway holds", ["--streams", "--stream-tokens", *OUT]),
     "soak": ("load through rackflow up with roles killed and servers restarted", ["--minutes", *OUT]),
+    "priority": ("interactive P99 TTFT alone and beside a saturating batch backlog, and the idle capacity batch work "
+                 "uses (medians over --repeats)", ["--repeats", "--phase-s", "--batch-yield", *OUT]),
+    "fairness": ("two tenants at 3:1 demand: each one's share of the tokens served per minute",
+                 ["--repeats", "--fair-s", "--no-fair", *OUT]),
     "idle": ("CPU of an idle `rackflow up` cluster (every role, Valkey, etcd; Celery and Flower apart)",
              ["--idle-s", *OUT]),
     "fuzz": ("rackflow up under malformed and hostile HTTP: 5xx, crashed roles and leaked keys counted",

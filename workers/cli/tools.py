@@ -116,7 +116,8 @@ def cmd_token(args: argparse.Namespace) -> int:
     config = config_of(args)
     try:
         print(mint_token(config.gateway.auth, tenant=args.tenant, sub=args.sub, models=args.model or None,
-                         default_model=args.default_model, ttl_s=args.ttl))
+                         default_model=args.default_model, ttl_s=args.ttl, priority=args.priority,
+                         tpm=args.tpm))
     except AuthError as e:
         print(f"rackflow token: {e}", file=sys.stderr)
         return 2
@@ -258,6 +259,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--model", action="append", default=[], help="allowed model (repeatable; default: all)")
     s.add_argument("--default-model", default=None)
     s.add_argument("--ttl", type=int, default=3600, help="seconds until exp")
+    s.add_argument("--priority", choices=["interactive", "batch"], default=None,
+                   help="the highest priority class the token's requests may run in (claim `priority`)")
+    s.add_argument("--tpm", type=int, default=None,
+                   help="the tenant's tokens-per-minute limit for interactive requests (claim `tpm`)")
     s.set_defaults(fn=cmd_token)
 
     s = sub.add_parser("tokens", help="calibrate the fast token estimator against a real tokenizer.json")

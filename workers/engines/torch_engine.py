@@ -360,7 +360,12 @@ class TorchEngine:
             if seq.rid in self.running or seq.rid in self.swapped or any(s.rid == seq.rid for s in self.waiting):
                 log.warning("torch engine: sequence %s submitted again while held; ignoring the duplicate", seq.rid)
                 continue
-            self.waiting.append(seq)
+            if not seq.req.priority and self.waiting and self.waiting[-1].req.priority:
+                # an interactive sequence waits ahead of every batch one (pipeline/priority.py)
+                k = next(k for k, s in enumerate(self.waiting) if s.req.priority)
+                self.waiting.insert(k, seq)
+            else:
+                self.waiting.append(seq)
 
     def _apply_aborts(self) -> set[str]:
         done: set[str] = set()

@@ -336,6 +336,7 @@ class VllmEngine:
             **({"gpu_memory_utilization": config.gpu_memory_utilization} if not self.on_cpu else {}),
             **({"block_size": config.block_size} if config.block_size else {}),
             **({"seed": config.seed}),
+            "scheduling_policy": config.scheduling_policy,
             **config.extra_engine_args,
         }
         connector = config.kv_connector
@@ -485,12 +486,14 @@ class VllmEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + list(generated)}
         if not req.prefix_cache:
             prompt["cache_salt"] = f"rackflow-nocache-{vrid}"
-        live.task = asyncio.ensure_future(self._pump(req.request_id, vrid, prompt, params))
+        # the class reaches vLLM's own scheduler (lower runs first); under fcfs vLLM refuses a priority other than 0
+        priority = req.priority if self.args.get("scheduling_policy") == "priority" else 0
+        live.task = asyncio.ensure_future(self._pump(req.request_id, vrid, prompt, params, priority))
 
-    async def _pump(self, rid: str, vrid: str, prompt: dict[str, Any], params: Any) -> None:
+    async def _pump(self, rid: str, vrid: str, prompt: dict[str, Any], params: Any, priority: int = 0) -> None:
         top = params.logprobs
         try:
-            async for out in self.engine.generate(prompt, params, request_id=vrid):
+            async for out in self.engine.generate(prompt, params, request_id=vrid, priority=priority):
                 c = out.outputs[0]
                 lps = _logprob_entries(list(c.token_ids), c.logprobs, top) if top is not None else None
                 self._outbox.put_nowait((rid, vrid, list(c.token_ids), c.text, bool(out.finished),

@@ -7,8 +7,9 @@ read once at construction. It must never log or echo a token or a secret, never 
 configured one (no `none`, no HS/RS confusion), and never decide anything about a request beyond who may send it.
 
 Claims: `sub` (user id, required), `exp` (required), `tenant` (required, string), optional `models` (list of the
-model names the token may use; absent: all) and `model` (the default model when a request names none); `aud` and
-`iss` are checked when configured.
+model names the token may use; absent: all), `model` (the default model when a request names none), `priority`
+(`interactive` or `batch`: the highest class the token's requests may run in, pipeline/priority.py) and `tpm` (the
+tenant's tokens-per-minute limit, workers/stores/rate_limit.py); `aud` and `iss` are checked when configured.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jwt
 
 from pipeline.config import AuthConfig, ConfigError, RackflowConfig
 from pipeline.errors import RackflowError
+from pipeline.priority import CLAIM, PriorityError, parse_class
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,10 @@ class Principal:
     """Models the token may use; None: every model."""
     default_model: str | None = None
     """Model used when the request names none (the token's `model` claim)."""
+    priority: int | None = None
+    """The highest priority class its requests may run in (the `priority` claim); None: any."""
+    tpm: int | None = None
+    """Its tenant's tokens-per-minute limit (the `tpm` claim); None: the tenant's configured one, if any."""
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -174,8 +180,15 @@ def _principal(claims: dict[str, Any]) -> Principal:
     default_model = claims.get("model")
     if default_model is not None and not isinstance(default_model, str):
         raise AuthError("the token's 'model' claim must be a model name (string)", 401, "invalid_claim")
+    try:
+        priority = parse_class(claims[CLAIM], "the token's 'priority' claim") if CLAIM in claims else None
+    except PriorityError as e:
+        raise AuthError(str(e), 401, "invalid_claim") from None
+    tpm = claims.get("tpm")
+    if tpm is not None and (type(tpm) is not int or tpm < 1):
+        raise AuthError("the token's 'tpm' claim must be an integer >= 1 (tokens per minute)", 401, "invalid_claim")
     return Principal(tenant=tenant, sub=sub, models=tuple(models) if models is not None else None,
-                     default_model=default_model or None)
+                     default_model=default_model or None, priority=priority, tpm=tpm)
 
 
 def _load_public_key(path: str | None) -> Any:
@@ -207,6 +220,8 @@ def mint_token(
     default_model: str | None = None,
     ttl_s: int = 3600,
     now: float | None = None,
+    priority: str | None = None,
+    tpm: int | None = None,
 ) -> str:
     """An HS256 token for this gateway's config (development and tests; production tokens come from an issuer)."""
     if auth.mode != "hs256":
@@ -229,6 +244,16 @@ def mint_token(
         claims["models"] = list(models)
     if default_model:
         claims["model"] = default_model
+    if priority:
+        try:
+            parse_class(priority, "priority")
+        except PriorityError as e:
+            raise AuthError(str(e)) from None
+        claims[CLAIM] = priority
+    if tpm is not None:
+        if tpm < 1:
+            raise AuthError(f"tpm must be >= 1 tokens per minute, got {tpm}")
+        claims["tpm"] = tpm
     if auth.audience:
         claims["aud"] = auth.audience
     if auth.issuer:

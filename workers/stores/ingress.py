@@ -30,6 +30,7 @@ from pipeline.admission import Admission, ShedReason
 from pipeline.config import RackflowConfig
 from pipeline.errors import RackflowError
 from pipeline.events import RequestEvent, ResultEvent, TokenEvent
+from pipeline.priority import BATCH
 from pipeline.profiling import ProfileInput, profile_request
 from pipeline.routing.rack_affinity import RackAffinityRouter
 from pipeline.routing.registry import build_router
@@ -43,6 +44,7 @@ from workers.stores.cluster_view import ClusterView
 from workers.stores.etcd import NodeRegistry
 from workers.stores.prefix_feed import PrefixFeed
 from workers.stores.rack_routing import InlineRoute
+from workers.stores.rate_limit import TokenRateLimiter
 from workers.stores.replies import ReplyMux
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class Gateway:
         """(monotonic time, rf:results entries-added) samples of the last few seconds: the completion rate."""
         self._history: dict[str, tuple[float, float | None]] = {}
         """Users' output-length EWMAs as last read (monotonic s, value), by key (`user_avg_out`)."""
+        self._limiter: TokenRateLimiter | None = None
         self.inline: InlineRoute | None = None
         """The gateway's own route (`gateway.routing: inline`), once `start_routing` ran."""
         self._feed_task: asyncio.Task[None] | None = None
@@ -330,16 +333,36 @@ class Gateway:
         completion rate (the cluster's rate, this share of racks), within [retry_after_s, max_retry_after_s]."""
         return self.admission.retry_after(queued, self.rack_rate(racks))
 
-    async def admit(self, inp: ProfileInput, allows: Callable[[str], bool] | None = None) -> RequestEvent:
+    async def admit(self, inp: ProfileInput, allows: Callable[[str], bool] | None = None,
+                    tpm_limit: int | None = None) -> RequestEvent:
         """Profile, check the backlog bound, append to rf:ingress; RequestRejected (4xx) on bad input or overload
-        (`allows`: as for `profile`). With tracing on, the admission is the root span of the request's trace
+        (`allows`: as for `profile`; `tpm_limit`: the tenant's tokens per minute for an interactive request,
+        workers/stores/rate_limit.py). With tracing on, the admission is the root span of the request's trace
         (`gateway.admit`)."""
         if tracing.TRACER is None:
-            return await self._admit(inp, None, allows)
+            return await self._admit(inp, None, allows, tpm_limit)
         with tracing.root_span("gateway.admit") as span:
-            return await self._admit(inp, span, allows)
+            return await self._admit(inp, span, allows, tpm_limit)
 
-    async def _admit(self, inp: ProfileInput, span: Any, allows: Callable[[str], bool] | None) -> RequestEvent:
+    async def _charge_tokens(self, req: RequestEvent, limit: int) -> None:
+        """Charge an interactive request to its tenant's tokens-per-minute limit, or refuse it (429 until the
+        minute ends; 400 when it alone is over the limit)."""
+        tokens = req.in_tokens + req.out_tokens
+        if tokens > limit:
+            raise RequestRejected(
+                f"this request needs about {tokens} tokens (prompt {req.in_tokens} + expected output "
+                f"{req.out_tokens}), more than tenant {req.tenant!r}'s limit of {limit} tokens per minute; lower "
+                "max_tokens or shorten the prompt", 400, "max_tokens", code="request_too_large")
+        if self._limiter is None:
+            self._limiter = TokenRateLimiter(self.r)
+        ok, used, left = await self._limiter.charge(req.tenant, tokens, limit, time.time())
+        if not ok:
+            raise RequestRejected(
+                f"tenant {req.tenant!r} is over its rate limit: {used} of {limit} tokens per minute used, this "
+                f"request needs {tokens}; retry in {left} s", 429, None, left, code="rate_limit_exceeded")
+
+    async def _admit(self, inp: ProfileInput, span: Any, allows: Callable[[str], bool] | None,
+                     tpm_limit: int | None = None) -> RequestEvent:
         if inp.user_avg_out is None:  # a max_tokens is only a cap: the user's history is the better guess under it
             avg = await self.user_avg_out(inp.tenant, inp.user_id)
             if avg is not None:
@@ -369,6 +392,8 @@ class Gateway:
                        f"{gw.max_queue_s:g} s")
                 raise RequestRejected(f"rack {rack} is saturated ({why}); retry later", 429, None,
                                       verdict.retry_after_s, code="overloaded")
+        if tpm_limit and req.priority < BATCH:
+            await self._charge_tokens(req, tpm_limit)
         if self.replies is None or not self.replies.ready:
             await self._enter(req, views)
             return req
