@@ -11,7 +11,11 @@ a request is shed (HTTP 429 with Retry-After) when the rack the router would sen
 A rack's queue is what waits for a node: its batcher's backlog (stream lag + pending entries) plus the requests
 waiting in its nodes' engines. Priority classes (pipeline/priority.py): an interactive request is judged against the
 interactive queue alone (the queue less the batch requests in it: they yield to it), so admission never sheds an
-interactive request to keep a batch one; a batch request is judged against the whole queue.
+interactive request to keep a batch one; a batch request is judged against the whole queue. Between tenants
+(`batcher.fair_share`): a request that would be shed is let in while its tenant holds less than an equal share of
+the queue (its queued requests x the tenants queued < the queue), so that a heavy tenant's flood, shed at the same
+rate as everyone's, cannot starve a lighter one of its share (the window then serves the tenants in
+virtual-token-counter order).
 Pure: the caller passes what it read and the rate it measured.
 """
 
@@ -32,6 +36,7 @@ class ShedReason(enum.Enum):
     ADMITTED = "admitted"
     RACK_QUEUE = "rack queue over max_rack_queue"
     QUEUE_TIME = "rack queue over max_queue_s of work"
+    UNDER_SHARE = "over the bound, but its tenant holds less than an equal share of the queue"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +63,21 @@ class Admission:
         return max(self.retry_min, min(self.retry_max, math.ceil(queued / rate_rps)))
 
     def decide(self, queued: float, rate_rps: float | None, queued_for_s: float = math.inf,
-               batch_queued: float = 0.0, priority: int = 0) -> Verdict:
+               batch_queued: float = 0.0, priority: int = 0, tenant_queued: float | None = None,
+               tenants: int = 1) -> Verdict:
         """`queued`: requests waiting in the rack the request would go to; `rate_rps`: that rack's completions per
         second over the last `RATE_WINDOW_S` (None before two samples); `queued_for_s`: how long that rack has had a
         queue without a break; `batch_queued`: of `queued`, the batch-class requests; `priority`: the request's
-        class."""
+        class; `tenant_queued`: of the queue, its tenant's requests, and `tenants` how many tenants have some (None:
+        not known; no share is kept)."""
         if priority < BATCH:
             queued = max(0.0, queued - batch_queued)
+        verdict = self._decide(queued, rate_rps, queued_for_s)
+        if not verdict.admit and tenant_queued is not None and tenants > 1 and tenant_queued * tenants < queued:
+            return Verdict(True, ShedReason.UNDER_SHARE, None, verdict.wait_s)
+        return verdict
+
+    def _decide(self, queued: float, rate_rps: float | None, queued_for_s: float) -> Verdict:
         wait = queued / rate_rps if rate_rps is not None and rate_rps > 0 else None
         if queued >= self.max_queue:
             return Verdict(False, ShedReason.RACK_QUEUE, self.retry_after(queued, rate_rps), wait)

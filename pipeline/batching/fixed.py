@@ -44,6 +44,10 @@ class FixedBatcher:
         """The fixed baseline has no priority classes: every request is in `pending`, in arrival order."""
         return 0
 
+    def tenant_waiting(self) -> dict[str, int]:
+        """No fair shares in the fixed baseline: nothing is reported per tenant."""
+        return {}
+
     def offer(self, req: PendingRequest) -> None:
         if self.window_open_ms is None:
             self.window_open_ms = req.enqueued_ms

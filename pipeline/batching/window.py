@@ -198,6 +198,18 @@ class WindowBatcher:
         """Batch-class requests waiting."""
         return len(self._batch) if self._batch is not None else 0
 
+    def tenant_waiting(self) -> dict[str, int]:
+        """Interactive requests waiting, per tenant (the gateway's admission keeps each tenant's share of the
+        queue: pipeline/admission.py)."""
+        out: dict[str, int] = {}
+        for e in self._aged:
+            t = e[3].request.tenant
+            out[t] = out.get(t, 0) + 1
+        for p in self._fresh:
+            t = p.request.tenant
+            out[t] = out.get(t, 0) + 1
+        return out
+
     @property
     def pending(self) -> list[PendingRequest]:
         """Every waiting request (aged ones first, by arrival; then fresh ones in offer order; then batch ones)."""

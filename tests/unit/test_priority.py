@@ -201,3 +201,12 @@ def test_aged_requests_of_several_tenants_are_placed_fairly_too_not_oldest_first
     assert got == ["heavy"] * 3 + ["light"] * 3, got
     oldest_heavy = [p.request.arrival_ms for plan in out.plans for p in plan.requests if p.request.tenant == "heavy"]
     assert sorted(oldest_heavy) == [0.0, 1.0, 2.0]  # within a tenant, oldest first
+
+
+def test_admission_lets_a_tenant_under_its_share_of_a_full_queue_in_and_sheds_the_one_over_it() -> None:
+    adm = Admission(GatewayConfig(max_rack_queue=100))
+    # 120 queued, 100 of them the heavy tenant's: the light one (20 < 120 / 2) still gets in, the heavy one not
+    assert adm.decide(120, 10.0, 0.0, tenant_queued=20, tenants=2).reason is ShedReason.UNDER_SHARE
+    assert not adm.decide(120, 10.0, 0.0, tenant_queued=100, tenants=2).admit
+    assert not adm.decide(120, 10.0, 0.0, tenant_queued=20, tenants=1).admit  # one tenant: the bound alone
+    assert not adm.decide(120, 10.0, 0.0).admit  # not known: the bound alone

@@ -26,7 +26,7 @@ The capacity in requests/s that sets the interactive rate is measured once, befo
 Figures are the medians over the repeats; `runs` has each repeat's.
 
 `bench fairness` (issue: fair shares). Per repeat, two tenants send interactive requests of the same shape at 3:1
-(`heavy` at 1.8x, `light` at 0.6x half of the capacity: both above an equal share), for `fair_s`. Service per tenant
+(`heavy` at 1.8x, `light` at 0.6x the capacity in requests/s: each above an equal share, half of it), for `fair_s`. Service per tenant
 and minute: prompt + generated tokens of the requests that finished in that minute (minutes counted from the
 start; the first `warmup_s`, while the queues form, are left out). `max_share_error` is the largest
 |share - 1/2| / (1/2) of either tenant over the minutes (median over the repeats; `worst` the largest of all).
@@ -477,12 +477,11 @@ def bench_fairness(redis_url: str | None = None, etcd_url: str | None = None, *,
                 try:
                     cap_rps, _ = await _capacity(load, backlog, ramp_s * 2, capacity_s)
                     bar.update(1)
-                    half = cap_rps / 2
                     bar.set_postfix_str(f"capacity {cap_rps:.1f} req/s")
                     for k in range(repeats):
                         t0 = WALL.now_ms()
-                        a = load.open_loop(INTERACTIVE, "heavy", heavy * half, fair_s, seed * 1000 + 2 * k)
-                        b = load.open_loop(INTERACTIVE, "light", light * half, fair_s, seed * 1000 + 2 * k + 1,
+                        a = load.open_loop(INTERACTIVE, "heavy", heavy * cap_rps, fair_s, seed * 1000 + 2 * k)
+                        b = load.open_loop(INTERACTIVE, "light", light * cap_rps, fair_s, seed * 1000 + 2 * k + 1,
                                            base=10**6)
                         await asyncio.gather(a, b)
                         await load.drain(120)
@@ -503,12 +502,12 @@ def bench_fairness(redis_url: str | None = None, etcd_url: str | None = None, *,
         "max_share_error": round(statistics.median(errs), 4),
         "max_share_error_worst": round(max(errs), 4),
         "fair_share": fair,
-        "demand": {"heavy": heavy, "light": light, "unit": "x half the capacity (requests/s)"},
+        "demand": {"heavy": heavy, "light": light, "unit": "x the capacity (requests/s)"},
         **totals,
         "repeats": repeats,
         "runs": runs,
         "setup": "1 rack x 2 sim H100 nodes (qwen2-7b cost model, real iteration times, max_running 4); two tenants "
-                 f"at {heavy:g}:{light:g} of half the capacity, interactive, requests of one shape; service = "
+                 f"at {heavy:g} and {light:g} x the capacity, interactive, requests of one shape; service = "
                  "prompt + generated tokens of the requests finished in each minute",
     }
 

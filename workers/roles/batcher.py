@@ -11,6 +11,7 @@ in-flight reservations subtracted (ReservationLedger).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 
@@ -33,6 +34,8 @@ from workers.stores.results import ResultWriter, error_result
 
 log = logging.getLogger(__name__)
 
+MAX_TENANTS_PUBLISHED = 64
+"""Tenants whose waiting requests a batcher publishes (the most waiting first) for the gateway's fair share."""
 IDLE_WAKE_S = 2.0
 """While the window is empty the tick and room loops wait for an arrival (which wakes them at once), waking on their
 own only this often: an idle batcher does not poll."""
@@ -228,8 +231,12 @@ class Batcher:
     async def _publish_backlog(self) -> None:
         """The prompt tokens this batcher holds, for the router's work figure of the rack."""
         tokens = sum(p.request.in_tokens for p in self.window.pending if not p.request.priority)
+        tenants = self.window.tenant_waiting()
+        if len(tenants) > MAX_TENANTS_PUBLISHED:  # the largest ones: those the admission sheds first
+            tenants = dict(sorted(tenants.items(), key=lambda kv: -kv[1])[:MAX_TENANTS_PUBLISHED])
         await self.r.hset(keys.rack_status(self.rack), mapping={f"tokens:{self.actor}": str(tokens),
                                                                  f"batch:{self.actor}": str(self.window.batch_waiting),
+                                                                 f"tenants:{self.actor}": json.dumps(tenants),
                                                                  f"ts:{self.actor}": str(WALL.now_ms())})
 
     async def _refresh(self) -> bool:

@@ -8,6 +8,7 @@ is alive with state `active` AND its status is fresher than `stale_ms`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -102,6 +103,28 @@ def pending_tokens(fields: Mapping[bytes | str, bytes | str], now_ms: float, sta
     return total
 
 
+def tenant_counts(fields: Mapping[bytes | str, bytes | str], now_ms: float, stale_ms: float) -> dict[str, int]:
+    """Interactive requests the batchers of a rack hold per tenant, from its status hash (`tenants:{actor}`, a JSON
+    object); a batcher that stopped writing is not counted, an unreadable entry is skipped."""
+    vals = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in fields.items()}
+    out: dict[str, int] = {}
+    for k, v in vals.items():
+        if not k.startswith("tenants:"):
+            continue
+        try:
+            if now_ms - float(vals.get("ts:" + k[8:], "0")) > stale_ms:
+                continue
+            counts = json.loads(v)
+        except ValueError:
+            continue
+        if isinstance(counts, dict):
+            for t, n in counts.items():
+                if isinstance(n, int) and n > 0:
+                    out[str(t)] = out.get(str(t), 0) + n
+    return out
+
+
 def _keep_status(table: dict[str, HealthEvent], node: str, fields: Mapping[bytes, bytes] | None) -> None:
     """Put a node's status hash, decoded, in `table` (an empty or undecodable one keeps what was there)."""
     if not fields:
@@ -132,6 +155,8 @@ class ClusterView:
     """Prompt tokens of the requests a rack's batchers hold (their `rf:rack:{R}:status`)."""
     rack_batch_backlog: dict[str, float] = field(default_factory=dict)
     """Of the rack's backlog, the batch-class requests its batchers hold."""
+    rack_tenants: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per rack, the interactive requests its batchers hold per tenant."""
     decode_weight_tokens: float = 256.0
     raise_on_denied: bool = False
     """An ACL denial of a queue read raises NoPermissionError (the gateway: without its queue figures it could not
@@ -175,6 +200,7 @@ class ClusterView:
                 status = await self.r.hgetall(keys.rack_status(rack))
                 self.rack_pending_tokens[rack] = pending_tokens(status, self._now_ms(), self.stale_ms)
                 self.rack_batch_backlog[rack] = pending_tokens(status, self._now_ms(), self.stale_ms, "batch")
+                self.rack_tenants[rack] = tenant_counts(status, self._now_ms(), self.stale_ms)
 
     async def refresh_statuses(self, nodes: list[str]) -> None:
         """Only the status hashes of `nodes` (one round trip, no etcd, no GPU hashes): a batcher watching its own

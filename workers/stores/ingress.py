@@ -380,9 +380,12 @@ class Gateway:
         rack = self._rack_policy.route(req.user_id, req.model, views).rack if views else None
         if rack is not None:
             since = self._queued_since.get(rack)
+            per = self.view.rack_tenants.get(rack) if self.config.policies.batcher.fair_share else None
             verdict = self.admission.decide(queues.get(rack, 0), self.rack_rate(1),
                                             time.monotonic() - since if since is not None else 0.0,
-                                            self._batch_queues.get(rack, 0.0), req.priority)
+                                            self._batch_queues.get(rack, 0.0), req.priority,
+                                            per.get(req.tenant, 0) if per is not None else None,
+                                            len(per) + (req.tenant not in per) if per is not None else 1)
             if not verdict.admit:
                 # the router would queue it behind a full rack (its bounded-load walk found no rack with room)
                 gw = self.config.gateway
