@@ -109,7 +109,7 @@ def servable(body: dict[str, Any]) -> dict[str, Any]:
 
 def openapi_schema(app: Any) -> dict[str, Any]:
     """FastAPI's schema of the app, with the request bodies and headers the gateway reads by hand."""
-    from workers.gateway.openai_api import ChatCompletionRequest, CompletionRequest
+    from pipeline.openai_format import ChatCompletionRequest, CompletionRequest
 
     raw = copy.deepcopy(app.fastapi.openapi())  # GatewayApp: FastAPI behind the hot path
     comps = raw.setdefault("components", {}).setdefault("schemas", {})

@@ -86,7 +86,7 @@ def test_every_role_serves_the_required_metrics(clean_services, config_file, tmp
     procs.start()
     try:
         ports = {p.role: p.metrics_port for p in procs.procs}
-        assert set(ports) == {"router", "batcher", "worker", "agent", "monitor", "celery", "gateway"}
+        assert set(ports) == {"router", "batcher", "worker", "agent", "monitor", "celery", "celery-jobs", "gateway"}
         assert all(ports.values()), ports
         targets = procs.metrics_targets()
         assert {t["labels"]["role"] for t in targets} == set(ports)  # type: ignore[index]

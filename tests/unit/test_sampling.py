@@ -94,8 +94,8 @@ def test_the_matcher_agrees_with_a_search_of_the_whole_text() -> None:
 
 
 def test_logprobs_wire_form_round_trips_and_formats_as_openai() -> None:
+    from pipeline.openai_format import chat_logprobs, completion_logprobs
     from pipeline.sampling import decode_logprobs, encode_logprobs
-    from workers.gateway.openai_api import chat_logprobs, completion_logprobs
 
     entries = [(-0.25, "Hel", (("Hel", -0.25), ("He", -1.5))), (-9999.0, "lo", ())]
     assert decode_logprobs(encode_logprobs(entries)) == entries

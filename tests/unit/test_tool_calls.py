@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from pipeline.openai_format import ChatCompletionRequest, ChatMessage, chatml_prompt, parse_tool_calls
 from pipeline.sampling import Sampling, tool_call_schema, tool_mode
-from workers.gateway.openai_api import ChatCompletionRequest, ChatMessage, chatml_prompt, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

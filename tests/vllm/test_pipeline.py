@@ -26,12 +26,12 @@ from redis.retry import Retry
 
 from pipeline.config import RackflowConfig
 from pipeline.events import HealthEvent, RequestEvent, ResultEvent
+from pipeline.openai_format import ChatMessage, chatml_prompt
 from streams import codec, keys
 from tests.conftest import _clean
 from tests.integration import harness
 from tests.integration.test_jobs import _until
 from tests.vllm.conftest import Reference, cluster_overlay
-from workers.gateway.openai_api import ChatMessage, chatml_prompt
 from workers.local.launcher import ClusterProcesses, gateway_url, wait_cluster_ready
 from workers.local.services import ServiceEndpoints
 from workers.shell.runtime import WALL

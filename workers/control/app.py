@@ -28,8 +28,9 @@ from workers.stores.etcd import EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
-# the worker imports the job tasks (`workers.control.jobs`, queue `jobs`) at start; they import this module for `app`
-app = Celery("rackflow", include=["workers.control.jobs"])
+# the worker imports the job tasks (`workers.control.jobs`) and the Batch API's runner (`workers.control.batches`),
+# both on queue `jobs`, at start; they import this module for `app`
+app = Celery("rackflow", include=["workers.control.jobs", "workers.control.batches"])
 app.conf.update(
     task_serializer="json",
     result_serializer="json",
@@ -39,15 +40,20 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     task_default_queue="control",
     task_queues=(Queue("control"), Queue("jobs")),
-    task_routes={"rackflow.jobs.*": {"queue": "jobs"}, "rackflow.*": {"queue": "control"}},
+    task_routes={"rackflow.jobs.*": {"queue": "jobs"}, "rackflow.batches.*": {"queue": "jobs"},
+                 "rackflow.*": {"queue": "control"}},
     result_expires=24 * 3600,
     task_track_started=True,
     worker_send_task_events=True,
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
     # a task taken by a worker that was killed outright (not just a pool child) comes back after this long; the
-    # monitor re-sends a drain that left work behind sooner (`Monitor.redrive`), so this is only the backstop
-    broker_transport_options={"visibility_timeout": 60},
+    # monitor re-sends a drain that left work behind sooner (`Monitor.redrive`), so this is only the backstop. A task
+    # held longer than this is delivered again while it runs: a batch's run works in slices well under it
+    # (`batches.slice_s`). Every worker looks for such messages every 10 s (kombu's default sweep is every tenth
+    # 10 s tick: a killed batch run would wait up to 160 s to resume, not 70)
+    broker_transport_options={"visibility_timeout": 60, "unacked_restore_interval": 10,
+                              "unacked_restore_throttle": 1},
 )
 
 TRANSIENT = (EtcdUnavailable, TransientStreamError, RedisConnectionError, RedisTimeoutError, ConnectionError,

@@ -1,10 +1,12 @@
 """Async jobs on Celery (queue `jobs`): completions that run through the same request path as HTTP traffic.
 
 `generate` (task `rackflow.jobs.generate`) admits one request into `rf:ingress` through the gateway core
-(`Gateway.admit`: profiling, the overload bound, then router, batcher and worker like any interactive request, so
-jobs and interactive traffic share the cluster by the same rules), under the task's own id as request id. It waits
-for the final result on `rf:out:{id}` and returns the completion: text, token counts and timings. A redelivered task
-(`acks_late`, a worker killed mid-task) finds its request already admitted and only waits for its result.
+(`Gateway.admit`: profiling, the overload bound, then router, batcher and worker), under the task's own id as request
+id, in the `batch` priority class (pipeline/priority.py): a job runs in the capacity interactive requests leave idle
+and yields to them, as the Batch API's lines do (workers/control/batches.py, the full form of the same machinery).
+It waits for the final result on `rf:out:{id}` and returns the completion: text, token counts and timings. A
+redelivered task (`acks_late`, a worker killed mid-task) finds its request already admitted and only waits for its
+result.
 
 Clients (`rackflow jobs`, the gateway's `/v1/jobs`) submit one task or a Celery group, record the job in
 `rf:job:{id}` (tenant, task ids: who may read or cancel it), read its state from the result backend, and cancel it:
@@ -39,6 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pipeline.config import RackflowConfig
 from pipeline.errors import RackflowError
 from pipeline.events import CancelEvent, ResultEvent, TokenEvent
+from pipeline.priority import BATCH
 from pipeline.profiling import ProfileInput
 from streams import keys
 from streams.runner import StreamProducer, connect
@@ -147,7 +150,7 @@ def _profile_input(config: RackflowConfig, request_id: str, spec: JobSpec, tenan
             400, "model", code="model_required",
         )
     return ProfileInput(request_id=request_id, tenant=tenant, user_id=spec.user or DEFAULT_USER, model=model,
-                        arrival_ms=WALL.now_ms(), prompt=spec.prompt, max_tokens=spec.max_tokens)
+                        arrival_ms=WALL.now_ms(), prompt=spec.prompt, max_tokens=spec.max_tokens, priority=BATCH)
 
 
 def check_specs(config: RackflowConfig, specs: Sequence[JobSpec], tenant: str, where: Sequence[str]) -> list[JobSpec]:

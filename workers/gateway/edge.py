@@ -12,28 +12,9 @@ from redis.exceptions import NoPermissionError, RedisError
 
 from pipeline.config import RackflowConfig
 from pipeline.errors import RackflowError
+from pipeline.openai_format import error_body, error_type
 from workers.gateway.auth import Authenticator, AuthError, Principal
-from workers.gateway.openai_api import (
-    error_body,
-)
 from workers.stores.ingress import Gateway, RequestRejected
-
-_STATUS_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",  # OpenAI's type for an unknown model, file or batch (code: model_not_found, ...)
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    502: "server_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
-
 
 
 class ApiError(RackflowError):
@@ -51,7 +32,7 @@ class ApiError(RackflowError):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, _STATUS_TYPE.get(self.status, "server_error"), self.param, self.code)
+        return error_body(self.message, error_type(self.status), self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -40,33 +40,38 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.config import RackflowConfig
 from pipeline.events import REQUEST_ID, RequestEvent, ResultEvent, TokenEvent
+from pipeline.openai_format import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FinalChoice,
+    RequestFormatError,
+    chat_chunk,
+    chat_logprobs,
+    completion_chunk,
+    completion_logprobs,
+    final_body,
+    generation_fields,
+    parse_request,
+    parse_tool_calls,
+    rejected_param,
+    result_error,
+    tool_finish,
+    usage,
+)
+from pipeline.openai_format import finish_reason as final_finish_reason
+from pipeline.priority import HEADER, PriorityError, class_of, parse_class
 from pipeline.profiling import ProfileInput
-from pipeline.sampling import LogprobEntry, Sampling, SamplingRefused, check_engine, decode_logprobs, tool_mode
+from pipeline.sampling import LogprobEntry, SamplingRefused, check_engine, decode_logprobs, tool_mode
 from pipeline.sampling import decode as decode_sampling
 from pipeline.sampling import encode as encode_sampling
 from streams.runner import connect, is_cluster_url, retrying_connection_kwargs
 from workers.gateway.auth import Authenticator, Principal
 from workers.gateway.edge import ApiError, Edge, _from_rejected, _store_down
-from workers.gateway.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_chunk,
-    chat_logprobs,
-    chat_response,
-    chatml_prompt,
-    completion_chunk,
-    completion_logprobs,
-    completion_response,
-    parse_tool_calls,
-    usage,
-    validation_message,
-)
 from workers.shell.runtime import WALL, bind_log_context
 from workers.stores.etcd import NodeRegistry
 from workers.stores.ingress import Gateway, RequestRejected, served_models
@@ -89,21 +94,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _from_result(result: ResultEvent) -> ApiError:
-    msg = result.error or "the request failed"
-    if result.status == "cancelled":
-        return ApiError(409, f"the request was cancelled: {msg}", "request_cancelled")
-    if "no healthy" in msg:
-        return ApiError(503, msg, "no_capacity")
-    return ApiError(502, f"the request failed in the cluster: {msg}", "upstream_error")
-
-
-def _tool_finish(sampling: Sampling, finish: str, calls: list[dict[str, Any]]) -> str:
-    """OpenAI's finish_reason with tools (as vLLM's server reports it): `tool_calls` when the model called tools
-    under `auto`, or under `required` and ended on its own; a named function's call ends with `stop`."""
-    mode = tool_mode(sampling)
-    if calls and (mode == "auto" or (mode == "required" and finish == "stop")):
-        return "tool_calls"
-    return finish
+    return ApiError(*result_error(result))
 
 
 def _wants_logprobs(req: RequestEvent) -> bool:
@@ -319,33 +310,24 @@ class _Api(Edge):
         raw = await self.read_body(request)
         body: CompletionRequest | ChatCompletionRequest
         try:
-            if kind == "chat":
-                body = ChatCompletionRequest.model_validate_json(raw)
-            else:
-                body = CompletionRequest.model_validate_json(raw)
-        except ValidationError as e:
-            message, param = validation_message(e)
-            code = "invalid_json" if message.startswith("request body") else "invalid_value"
-            raise ApiError(400, message, code, param) from None
+            body = parse_request(kind, raw)
+        except RequestFormatError as e:
+            raise ApiError(400, str(e), e.code, e.param) from None
         max_n = self.config.gateway.max_n
         n = body.n or 1
         if n > max_n:
             raise ApiError(400, f"n={n} is not supported: at most {max_n} completions per request "
                            "(gateway.max_n)", "invalid_value", "n")
         model = self.select_model(request, body.model, principal)
-        sampling = body.sampling()
+        fields = generation_fields(body)
+        sampling, prompt, max_tokens = fields.sampling, fields.prompt, fields.max_tokens
         try:
             check_engine(sampling, self.engine)
         except SamplingRefused as e:
             raise ApiError(400, str(e), "unsupported_parameter", e.param) from None
-        if isinstance(body, ChatCompletionRequest):
-            prompt = chatml_prompt(body.messages, body.tools)
-            max_tokens = body.output_limit
-        else:
-            prompt = body.prompt
-            max_tokens = body.max_tokens
         user_id = principal.sub if self.authn.enabled else (body.user or principal.sub)
         route_policy = request.headers.get("x-route-policy", "").strip()
+        priority, tpm = self.class_and_limit(request, principal)
         t0 = time.perf_counter()
         reqs: list[RequestEvent] = []
         for i in range(n):
@@ -362,17 +344,15 @@ class _Api(Edge):
                 max_tokens=max_tokens,
                 route_policy=route_policy,
                 sampling=encode_sampling(own),
+                priority=priority,
             )
             if i == 0:
                 bind_log_context(request_id=inp.request_id)  # this request's task: every line it logs carries the id
             try:
-                reqs.append(await self.gateway.admit(inp, principal.allows))
+                reqs.append(await self.gateway.admit(inp, principal.allows, tpm))
             except RequestRejected as e:
-                if isinstance(body, ChatCompletionRequest) and e.param == "max_tokens":
-                    e.param = body.output_limit_param
-                elif isinstance(body, ChatCompletionRequest) and e.param == "prompt":
-                    e.param = "messages"  # a chat request's prompt is its messages: name them, in the message too
-                    e.args = (str(e).replace("prompt", "messages"),)
+                e.param, message = rejected_param(body, e.param, str(e))
+                e.args = (message,)
                 if reqs:
                     log.warning("request %s: choice %d of %d refused (%s); the %d admitted run to their end",
                                 reqs[0].request_id, i, n, e, len(reqs))
@@ -384,6 +364,20 @@ class _Api(Edge):
         log.debug("request %s admitted: tenant %s model %s in %d max %d n %d", req.request_id, req.tenant, req.model,
                   req.in_tokens, req.max_tokens, n)
         return _Admitted(req, principal, int(time.time()), t0, body.streaming, body.include_usage, tuple(reqs))
+
+    def class_and_limit(self, request: Request, principal: Principal) -> tuple[int, int | None]:
+        """The request's priority class (pipeline/priority.py: the `X-Priority` header, else the tenant's
+        configured class, else interactive; a token's `priority` claim is a ceiling) and its tenant's
+        tokens-per-minute limit (the token's `tpm` claim, else `gateway.tenants.{tenant}.tpm`)."""
+        header = request.headers.get(HEADER.lower(), "").strip()
+        try:
+            requested = parse_class(header, HEADER) if header else None
+        except PriorityError as e:
+            raise ApiError(400, str(e), "invalid_value", HEADER) from None
+        tenant = self.config.gateway.tenants.get(principal.tenant)
+        default = parse_class(tenant.priority) if tenant is not None and tenant.priority else None
+        tpm = principal.tpm or (tenant.tpm if tenant is not None else None)
+        return class_of(requested, default, principal.priority), tpm
 
     def outputs(self, request_id: str) -> AsyncGenerator[TokenEvent | ResultEvent, None]:
         """The request's own output stream (Gateway.outputs is an async generator: closed when we stop early)."""
@@ -424,12 +418,8 @@ class _Api(Edge):
                 t.cancel()
 
     def finish_reason(self, req: RequestEvent, result: ResultEvent) -> str:
-        """OpenAI's finish_reason: `stop` when the sequence ended on its own (an end-of-sequence token or a stop
-        string), `length` when it reached max_tokens (or the context), as the worker reported it; a result without
-        the report (from a worker older than the field) falls back to the token count."""
-        if result.finish_reason in ("stop", "length"):
-            return result.finish_reason
-        return "length" if result.out_tokens >= req.max_tokens else "stop"
+        """OpenAI's finish_reason of one choice (`pipeline.openai_format.finish_reason`)."""
+        return final_finish_reason(result, req.max_tokens)
 
     # -- generation --------------------------------------------------------------------------------------------
     async def generate(self, request: Request, kind: str) -> Response:
@@ -483,29 +473,11 @@ class _Api(Edge):
         assert len(done) == n  # outputs() ends with the result or raises
         fmt_lp = chat_logprobs if kind == "chat" else completion_logprobs
         sampling = decode_sampling(req.sampling) if kind == "chat" and req.sampling else None
-        body: dict[str, Any] = {}
-        for i in range(n):
-            text: str | None = done[i].text or "".join(texts[i])
-            finish = self.finish_reason(adm.choices[i], done[i])
-            lp = fmt_lp(lps[i]) if lps is not None else None
-            if kind == "chat":
-                calls: list[dict[str, Any]] = []
-                if sampling is not None and tool_mode(sampling) != "none":
-                    text, calls = parse_tool_calls(text or "", sampling, adm.choices[i].request_id)
-                    finish = _tool_finish(sampling, finish, calls)
-                one = chat_response(req.request_id, req.model, adm.created, text, finish,
-                                    done[0].in_tokens if i == 0 else 0, sum(r.out_tokens for r in done) if i == 0
-                                    else 0, lp, calls)
-            else:
-                one = completion_response(req.request_id, req.model, adm.created, text or "", finish,
-                                          done[0].in_tokens if i == 0 else 0,
-                                          sum(r.out_tokens for r in done) if i == 0 else 0, lp)
-            if i == 0:
-                body = one
-            else:
-                one["choices"][0]["index"] = i
-                body["choices"].append(one["choices"][0])
-        return JSONResponse(body)
+        choices = [FinalChoice(adm.choices[i].request_id, done[i].text or "".join(texts[i]),
+                               self.finish_reason(adm.choices[i], done[i]),
+                               fmt_lp(lps[i]) if lps is not None else None) for i in range(n)]
+        return JSONResponse(final_body(kind, req.request_id, req.model, adm.created, choices, sampling,
+                                       done[0].in_tokens, sum(r.out_tokens for r in done)))
 
     async def sse(self, adm: _Admitted, kind: str) -> AsyncIterator[str]:
         """SSE body: a chunk per TokenEvent as it arrives (each with its choice's index), a finish chunk per choice,
@@ -574,7 +546,7 @@ class _Api(Edge):
                             # the whole answer at once: its text, or its tool calls (streamed as OpenAI's deltas)
                             text, calls = parse_tool_calls(ev.text or "".join(held[i]), sampling,
                                                            adm.choices[i].request_id)
-                            finish = _tool_finish(sampling, finish, calls)
+                            finish = tool_finish(sampling, finish, calls)
                             yield _sse(chunk(i, {"role": "assistant", "content": text}))
                             if calls:
                                 yield _sse(chunk(i, {"tool_calls": [
@@ -677,6 +649,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
     `etcd_url` is the sequence registry a job cancel finds the node of a running request in (without it, workers
     still abort a cancelled request through its cancellation marker, within a status interval).
     """
+    from workers.gateway.batches_api import BatchesApi
     from workers.gateway.files_api import FilesApi
     from workers.gateway.jobs_api import JobsApi
 
@@ -685,6 +658,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
     api = _Api(config, authn, metrics, engine or config.policies.worker.engine)
     jobs_api = JobsApi(config, api, redis_url, etcd_url)
     files_api = FilesApi(config, api)
+    batches_api = BatchesApi(config, api, files_api.store, redis_url, etcd_url)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -712,11 +686,13 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
         api.attach(core)
         await jobs_api.start(r)
         await files_api.start()
+        await batches_api.start(r)
         log.info("gateway started: redis %s, auth %s", redis_url, "on" if authn.enabled else "OFF")
         try:
             yield
         finally:
             await jobs_api.close()
+            batches_api.close()
             api.attach(None)
             await core.stop_routing()
             if registry is not None:
@@ -780,6 +756,7 @@ def create_app(config: RackflowConfig, redis_url: str, etcd_url: str | None, no_
 
     jobs_api.register(app)  # POST /v1/jobs, GET|DELETE /v1/jobs/{id}, POST /v1/jobs/{id}/cancel
     files_api.register(app)  # POST|GET /v1/files, GET|DELETE /v1/files/{id}, GET /v1/files/{id}/content
+    batches_api.register(app)  # POST|GET /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel
 
     @app.get("/healthz")
     async def healthz() -> Response:

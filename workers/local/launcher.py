@@ -75,6 +75,10 @@ def vllm_cpu_cores(nodes: list[str], node: str) -> str | None:
         ",".join(str(c) for c in mine)
 
 
+JOBS_CONCURRENCY = 16
+"""Tasks the local cluster's `jobs` worker runs at once (threads: a job or a batch's run mostly waits)."""
+
+
 @dataclass
 class RoleProcess:
     role: str
@@ -140,14 +144,14 @@ class ClusterProcesses:
         elif role == "gateway":
             # 0: a free port the gateway picks (printed in its log)
             metrics_port = (self.gateway_port if port is None else port) or None
-        redis_args, env = self._redis_for(role)
+        redis_args, env = self._redis_for("celery" if role == "celery-jobs" else role)  # one ACL user for both
         if env_extra:
             env = {**(env if env is not None else os.environ), **env_extra}
         python = vllm_python() if role == "worker" and self.engine == "vllm" else sys.executable
         cmd = [
             python, "-m", "workers.cli", *self.config_args,
             *redis_args, "--etcd-url", self.etcd_url, "--log-level", self.log_level,
-            "celery-worker" if role == "celery" else role, *extra,
+            "celery-worker" if role in ("celery", "celery-jobs") else role, *extra,
         ]
         fh = open(log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
@@ -206,7 +210,8 @@ class ClusterProcesses:
         for node in self.config.nodes():
             self.start_agent(node.name)
         self.start_monitor()
-        self.start_celery_worker()
+        self.start_celery_worker(queues="control")
+        self.start_jobs_worker()
         if self.flower_port is not None:
             self.start_flower(self.flower_port)
 
@@ -216,8 +221,19 @@ class ClusterProcesses:
     def start_monitor(self, name: str = "monitor") -> RoleProcess:
         return self._spawn("monitor", name, [])
 
-    def start_celery_worker(self, name: str = "celery-worker", concurrency: int = 2) -> RoleProcess:
-        return self._spawn("celery", name, ["--concurrency", str(concurrency)])
+    def start_celery_worker(self, name: str = "celery-worker", concurrency: int = 2,
+                            queues: str | None = None) -> RoleProcess:
+        """A Celery worker for the control tasks (drains, migrations, requeues), prefork; `queues` None: the
+        command's default (`control,jobs`: it runs async jobs and batches too)."""
+        extra = ["--concurrency", str(concurrency)] + (["--queues", queues] if queues is not None else [])
+        return self._spawn("celery", name, extra)
+
+    def start_jobs_worker(self, name: str = "celery-jobs", concurrency: int = JOBS_CONCURRENCY) -> RoleProcess:
+        """A Celery worker for queue `jobs` alone (async jobs and the Batch API's runs): threads, since each task
+        mostly waits on the cluster, and apart from the control worker, so that a batch that runs for minutes never
+        holds a slot a drain needs."""
+        return self._spawn("celery-jobs", name, ["--concurrency", str(concurrency), "--queues", "jobs",
+                                                 "--pool", "threads"])
 
     def start_flower(self, port: int) -> RoleProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -266,6 +282,7 @@ class ClusterProcesses:
         that feed them), each stage given `timeout_s` before SIGKILL. `budget_s`: the whole stop takes about this
         long at most (`rackflow up`'s Ctrl-C): a stage gets at most a third of it, and what is left of it."""
         order = {"gateway": 0, "monitor": 1, "router": 2, "batcher": 3, "worker": 4, "agent": 5, "celery": 6,
+                 "celery-jobs": 6,
                  "flower": 7}
         end = time.monotonic() + budget_s if budget_s is not None else None
         cap = min(timeout_s, budget_s / 3) if budget_s is not None else timeout_s

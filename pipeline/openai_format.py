@@ -1,30 +1,43 @@
-"""The OpenAI wire format of the HTTP gateway: request schemas, the chat template, and response/chunk builders.
+"""The OpenAI wire format: request schemas, the chat template, and response/chunk builders, shared by the HTTP
+gateway (workers/gateway/http.py: one request per call) and the Batch API's runner (workers/control/batches.py: one
+request per line of a batch input file), so that a batch line is read and answered exactly as the live endpoint
+reads and answers the same body.
 
 Owns what an OpenAI client sends (`/v1/completions`, `/v1/chat/completions`: pydantic models, strict types, unknown
-fields ignored so newer clients keep working) and what it gets back (`text_completion`, `chat.completion`,
-`chat.completion.chunk`, usage, the error body). Everything here is pure: no I/O, no clock (the caller passes
-`created`), no knowledge of Redis, auth or routing. Parameters the cluster cannot honour are rejected with a
-message that names the field, never silently dropped: the wire format's own refusals here (echo, suffix, best_of,
-token-id prompts, logit_bias, the legacy `functions`), and the sampler's per engine in the gateway
-(`pipeline.sampling`: what each engine honours of stop, seed, temperature, top_p, the penalties, logprobs,
-response_format and tools). Fields OpenAI's API does not define are ignored, so that clients sending vendor
-extensions keep working.
+fields ignored so newer clients keep working; `parse_request`, `generation_fields`) and what it gets back
+(`text_completion`, `chat.completion` from a final result: `final_body`; `chat.completion.chunk`, usage, the error
+body and its type per HTTP status: `error_type`; the status a failed result is answered with: `result_error`).
+Everything here is pure: no I/O, no clock (the caller passes `created`), no knowledge of Redis, auth or routing.
+Parameters the cluster cannot honour are rejected with a message that names the field, never silently dropped: the
+wire format's own refusals here (echo, suffix, best_of, token-id prompts, logit_bias, the legacy `functions`), and
+the sampler's per engine in the gateway (`pipeline.sampling`: what each engine honours of stop, seed, temperature,
+top_p, the penalties, logprobs, response_format and tools). Fields OpenAI's API does not define are ignored, so that
+clients sending vendor extensions keep working.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.errors import RackflowError
+from pipeline.events import ResultEvent
 from pipeline.sampling import LogprobEntry, Sampling, tool_mode
 
 __all__ = [
+    "ENDPOINT_KIND",
+    "ERROR_TYPES",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "FinalChoice",
+    "GenerationFields",
+    "RequestFormatError",
     "StreamOptions",
     "chat_chunk",
     "chat_logprobs",
@@ -34,7 +47,15 @@ __all__ = [
     "completion_logprobs",
     "completion_response",
     "error_body",
+    "error_type",
+    "final_body",
+    "finish_reason",
+    "generation_fields",
+    "parse_request",
     "parse_tool_calls",
+    "rejected_param",
+    "result_error",
+    "tool_finish",
     "usage",
     "validation_message",
 ]
@@ -401,6 +422,59 @@ def validation_message(e: ValidationError, limit: int = 3) -> tuple[str, str | N
     return "invalid request: " + "; ".join(lines) + more, param or None
 
 
+ENDPOINT_KIND = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+"""The generation endpoints and the kind of request each takes (`chat` or `completion`)."""
+
+
+class RequestFormatError(RackflowError, ValueError):
+    """A body that is not a valid request of its endpoint (the client's mistake: a 400). The message says what to
+    change; `param` names the first bad field, `code` is OpenAI's (`invalid_json` or `invalid_value`)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def parse_request(kind: str, raw: bytes | str) -> ChatCompletionRequest | CompletionRequest:
+    """The body of a `chat` or `completion` request (JSON text), validated; RequestFormatError otherwise."""
+    try:
+        if kind == "chat":
+            return ChatCompletionRequest.model_validate_json(raw)
+        return CompletionRequest.model_validate_json(raw)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise RequestFormatError(message, param, "invalid_json" if message.startswith("request body") else
+                                 "invalid_value") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationFields:
+    """What a validated body gives the request's profile: the prompt profiled (a chat's ChatML text), the output
+    limit the client set (None: the room left in the context), and the sampling parameters."""
+
+    prompt: str
+    max_tokens: int | None
+    sampling: Sampling
+
+
+def generation_fields(body: ChatCompletionRequest | CompletionRequest) -> GenerationFields:
+    if isinstance(body, ChatCompletionRequest):
+        return GenerationFields(chatml_prompt(body.messages, body.tools), body.output_limit, body.sampling())
+    return GenerationFields(body.prompt, body.max_tokens, body.sampling())
+
+
+def rejected_param(body: ChatCompletionRequest | CompletionRequest, param: str | None,
+                   message: str) -> tuple[str | None, str]:
+    """A profile refusal's (param, message) in the words of the body the client sent: a chat request's output limit
+    is the field it set (`max_completion_tokens` or `max_tokens`), and its prompt is its `messages`."""
+    if isinstance(body, ChatCompletionRequest) and param == "max_tokens":
+        return body.output_limit_param, message
+    if isinstance(body, ChatCompletionRequest) and param == "prompt":
+        return "messages", message.replace("prompt", "messages")
+    return param, message
+
+
 # -- responses -------------------------------------------------------------------------------------------------------
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -504,3 +578,91 @@ def completion_logprobs(entries: list[LogprobEntry], offset: int = 0) -> dict[st
         offset += len(tok)
     return {"tokens": [tok for _lp, tok, _alts in entries], "token_logprobs": [lp for lp, _tok, _alts in entries],
             "top_logprobs": [dict(alts) for _lp, _tok, alts in entries], "text_offset": offsets}
+
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",  # OpenAI's type for an unknown model, file or batch (code: model_not_found, ...)
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+"""The error body's `type` of each HTTP status (OpenAI's names); any other status is a `server_error`."""
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "server_error")
+
+
+def result_error(result: ResultEvent) -> tuple[int, str, str]:
+    """(HTTP status, message, code) of a request that ended without `ok`, as the live endpoint answers it: 409 for a
+    cancelled request, 503 when no node could serve it, 502 for a failure in the cluster."""
+    msg = result.error or "the request failed"
+    if result.status == "cancelled":
+        return 409, f"the request was cancelled: {msg}", "request_cancelled"
+    if "no healthy" in msg:
+        return 503, msg, "no_capacity"
+    return 502, f"the request failed in the cluster: {msg}", "upstream_error"
+
+
+def finish_reason(result: ResultEvent, max_tokens: int) -> str:
+    """OpenAI's finish_reason: `stop` when the sequence ended on its own (an end-of-sequence token or a stop
+    string), `length` when it reached max_tokens (or the context), as the worker reported it; a result without the
+    report (from a worker older than the field) falls back to the token count against the request's `max_tokens`."""
+    if result.finish_reason in ("stop", "length"):
+        return result.finish_reason
+    return "length" if result.out_tokens >= max_tokens else "stop"
+
+
+def tool_finish(sampling: Sampling, finish: str, calls: list[dict[str, Any]]) -> str:
+    """OpenAI's finish_reason with tools (as vLLM's server reports it): `tool_calls` when the model called tools
+    under `auto`, or under `required` and ended on its own; a named function's call ends with `stop`."""
+    mode = tool_mode(sampling)
+    if calls and (mode == "auto" or (mode == "required" and finish == "stop")):
+        return "tool_calls"
+    return finish
+
+
+@dataclass(frozen=True, slots=True)
+class FinalChoice:
+    """One choice of a finished request: its own request id (a choice is a sequence of its own), its whole text,
+    its finish_reason (`finish_reason`) and its formatted logprobs (None: not asked for)."""
+
+    request_id: str
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
+
+
+def final_body(kind: str, request_id: str, model: str, created: int, choices: Sequence[FinalChoice],
+               sampling: Sampling | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The whole (non-streamed) answer of a `chat` or `completion` request: `chat.completion` or `text_completion`
+    with one choice per entry of `choices`, in order, and the request's usage. A chat answer under a tool mode is
+    parsed into its tool calls (`parse_tool_calls`), its finish_reason set as vLLM's server sets it."""
+    body: dict[str, Any] = {}
+    for i, c in enumerate(choices):
+        pt, ct = (prompt_tokens, completion_tokens) if i == 0 else (0, 0)
+        if kind == "chat":
+            text: str | None = c.text
+            finish = c.finish_reason
+            calls: list[dict[str, Any]] = []
+            if sampling is not None and tool_mode(sampling) != "none":
+                text, calls = parse_tool_calls(c.text, sampling, c.request_id)
+                finish = tool_finish(sampling, finish, calls)
+            one = chat_response(request_id, model, created, text, finish, pt, ct, c.logprobs, calls)
+        else:
+            one = completion_response(request_id, model, created, c.text, c.finish_reason, pt, ct, c.logprobs)
+        if i == 0:
+            body = one
+        else:
+            one["choices"][0]["index"] = i
+            body["choices"].append(one["choices"][0])
+    return body
