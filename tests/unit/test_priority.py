@@ -210,3 +210,13 @@ def test_admission_lets_a_tenant_under_its_share_of_a_full_queue_in_and_sheds_th
     assert not adm.decide(120, 10.0, 0.0, tenant_queued=100, tenants=2).admit
     assert not adm.decide(120, 10.0, 0.0, tenant_queued=20, tenants=1).admit  # one tenant: the bound alone
     assert not adm.decide(120, 10.0, 0.0).admit  # not known: the bound alone
+
+
+def test_a_racks_tenant_counts_merge_its_fresh_batchers_and_skip_stale_or_broken_entries() -> None:
+    from workers.stores.cluster_view import pending_tokens, tenant_counts
+
+    fields = {b"tenants:b1": b'{"acme": 3, "zeta": 1}', b"ts:b1": b"1000", b"tenants:b2": b'{"acme": 2}',
+              b"ts:b2": b"1500", b"tenants:old": b'{"acme": 50}', b"ts:old": b"1", b"tenants:bad": b"{not json",
+              b"ts:bad": b"1500", b"batch:b1": b"7", b"batch:b2": b"2"}
+    assert tenant_counts(fields, now_ms=2000, stale_ms=1500) == {"acme": 5, "zeta": 1}
+    assert pending_tokens(fields, 2000, 1500, "batch") == 9

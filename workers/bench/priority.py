@@ -26,10 +26,11 @@ The capacity in requests/s that sets the interactive rate is measured once, befo
 Figures are the medians over the repeats; `runs` has each repeat's.
 
 `bench fairness` (issue: fair shares). Per repeat, two tenants send interactive requests of the same shape at 3:1
-(`heavy` at 1.8x, `light` at 0.6x the capacity in requests/s: each above an equal share, half of it), for `fair_s`. Service per tenant
-and minute: prompt + generated tokens of the requests that finished in that minute (minutes counted from the
-start; the first `warmup_s`, while the queues form, are left out). `max_share_error` is the largest
-|share - 1/2| / (1/2) of either tenant over the minutes (median over the repeats; `worst` the largest of all).
+(`heavy` at 1.8x, `light` at 0.6x the capacity in requests/s: each above an equal share, half of it), for
+`fair_s`. Service per tenant and minute: prompt + generated tokens of the requests that finished in that minute
+(minutes counted from the start; the first `warmup_s`, while the queues form, are left out). `max_share_error` is
+the largest |share - 1/2| / (1/2) of either tenant over the minutes (median over the repeats; `worst` the largest
+of all).
 With `--no-fair` the batchers' fair share is off (smallest memory first, whoever sent it): the baseline.
 """
 
