@@ -88,6 +88,9 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    """OpenAI's processing tier, read as a priority class (docs/PRIORITY.md): `flex` runs as `batch`, `priority`
+    as `interactive`; `auto`, `default` or absent: no choice of its own."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -86,6 +86,17 @@ def test_the_class_comes_from_the_header_the_tenant_and_the_token_as_a_ceiling(c
         rid = r.json()["id"].removeprefix("cmpl-")
         got = next(q for q in seen if q.request_id == rid)
         assert got.priority == want, (extra, tenant, claims, got.priority)
+    # OpenAI's service_tier: flex runs as batch, priority as interactive; the header wins over it
+    for tier, extra, want in (("flex", {}, 1), ("priority", {}, 0), ("default", {}, 0),
+                              ("flex", {"X-Priority": "interactive"}, 0)):
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "service_tier": tier}
+        r = c.post("/v1/completions", headers={**_auth(config), **extra}, json=body)
+        assert r.status_code == 200, r.text
+        got = next(q for q in seen if q.request_id == r.json()["id"].removeprefix("cmpl-"))
+        assert got.priority == want, (tier, extra)
+    bad_tier = c.post("/v1/completions", headers=_auth(config),
+                      json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "service_tier": "urgent"})
+    assert bad_tier.status_code == 400 and bad_tier.json()["error"]["param"] == "service_tier", bad_tier.text
     bad = _ask(c, {**_auth(config), "X-Priority": "urgent"})
     assert bad.status_code == 400, bad.text
     err = bad.json()["error"]

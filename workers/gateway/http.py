@@ -64,7 +64,7 @@ from pipeline.openai_format import (
     usage,
 )
 from pipeline.openai_format import finish_reason as final_finish_reason
-from pipeline.priority import HEADER, PriorityError, class_of, parse_class
+from pipeline.priority import BATCH, HEADER, INTERACTIVE, PriorityError, class_of, parse_class
 from pipeline.profiling import ProfileInput
 from pipeline.sampling import LogprobEntry, SamplingRefused, check_engine, decode_logprobs, tool_mode
 from pipeline.sampling import decode as decode_sampling
@@ -78,6 +78,9 @@ from workers.stores.ingress import Gateway, RequestRejected, served_models
 from workers.stores.replies import ReplyMux
 
 log = logging.getLogger(__name__)
+
+TIER_CLASS = {"flex": BATCH, "priority": INTERACTIVE}
+"""OpenAI's `service_tier` as a priority class (`auto`, `default`: none of its own)."""
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -327,7 +330,7 @@ class _Api(Edge):
             raise ApiError(400, str(e), "unsupported_parameter", e.param) from None
         user_id = principal.sub if self.authn.enabled else (body.user or principal.sub)
         route_policy = request.headers.get("x-route-policy", "").strip()
-        priority, tpm = self.class_and_limit(request, principal)
+        priority, tpm = self.class_and_limit(request, principal, TIER_CLASS.get(body.service_tier or ""))
         t0 = time.perf_counter()
         reqs: list[RequestEvent] = []
         for i in range(n):
@@ -365,13 +368,14 @@ class _Api(Edge):
                   req.in_tokens, req.max_tokens, n)
         return _Admitted(req, principal, int(time.time()), t0, body.streaming, body.include_usage, tuple(reqs))
 
-    def class_and_limit(self, request: Request, principal: Principal) -> tuple[int, int | None]:
-        """The request's priority class (pipeline/priority.py: the `X-Priority` header, else the tenant's
-        configured class, else interactive; a token's `priority` claim is a ceiling) and its tenant's
-        tokens-per-minute limit (the token's `tpm` claim, else `gateway.tenants.{tenant}.tpm`)."""
+    def class_and_limit(self, request: Request, principal: Principal,
+                        tier: int | None = None) -> tuple[int, int | None]:
+        """The request's priority class (pipeline/priority.py: the `X-Priority` header, else its `service_tier`
+        (`tier`), else the tenant's configured class, else interactive; a token's `priority` claim is a ceiling)
+        and its tenant's tokens-per-minute limit (the token's `tpm` claim, else `gateway.tenants.{tenant}.tpm`)."""
         header = request.headers.get(HEADER.lower(), "").strip()
         try:
-            requested = parse_class(header, HEADER) if header else None
+            requested = parse_class(header, HEADER) if header else tier
         except PriorityError as e:
             raise ApiError(400, str(e), "invalid_value", HEADER) from None
         tenant = self.config.gateway.tenants.get(principal.tenant)
