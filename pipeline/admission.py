@@ -12,10 +12,11 @@ A rack's queue is what waits for a node: its batcher's backlog (stream lag + pen
 waiting in its nodes' engines. Priority classes (pipeline/priority.py): an interactive request is judged against the
 interactive queue alone (the queue less the batch requests in it: they yield to it), so admission never sheds an
 interactive request to keep a batch one; a batch request is judged against the whole queue. Between tenants
-(`batcher.fair_share`): a request that would be shed is let in while its tenant holds less than an equal share of
-the queue (its queued requests x the tenants queued < the queue), so that a heavy tenant's flood, shed at the same
-rate as everyone's, cannot starve a lighter one of its share (the window then serves the tenants in
-virtual-token-counter order).
+(`batcher.fair_share`): an interactive request that would be shed is let in while its tenant holds less than an
+equal share of the bound (its queued requests x the tenants queued < `max_rack_queue`), so that a heavy tenant's
+flood, shed at the same rate as everyone's, cannot starve a lighter one of its share (the window then serves the
+tenants in virtual-token-counter order). The queue stays bounded: each tenant adds at most its share of the bound
+beyond it. Batch requests get no such exemption (their tenants share through the batchers' batch queue).
 Pure: the caller passes what it read and the rate it measured.
 """
 
@@ -36,7 +37,7 @@ class ShedReason(enum.Enum):
     ADMITTED = "admitted"
     RACK_QUEUE = "rack queue over max_rack_queue"
     QUEUE_TIME = "rack queue over max_queue_s of work"
-    UNDER_SHARE = "over the bound, but its tenant holds less than an equal share of the queue"
+    UNDER_SHARE = "over the bound, but its tenant holds less than an equal share of it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,8 @@ class Admission:
         if priority < BATCH:
             queued = max(0.0, queued - batch_queued)
         verdict = self._decide(queued, rate_rps, queued_for_s)
-        if not verdict.admit and tenant_queued is not None and tenants > 1 and tenant_queued * tenants < queued:
+        if (not verdict.admit and priority < BATCH and tenant_queued is not None and tenants > 1
+                and tenant_queued * tenants < self.max_queue):
             return Verdict(True, ShedReason.UNDER_SHARE, None, verdict.wait_s)
         return verdict
 

@@ -34,7 +34,7 @@ import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 from pipeline.config import BatcherPolicy
 from pipeline.events import RequestEvent
@@ -52,7 +52,6 @@ MAX_WAIT_CHECKS = 64
 """Waiting requests a close asks their policy whether to keep waiting for a busy node (the rest are placed wherever
 there is room, or wait for the next close): bounds a close's cost under a long queue."""
 _ORDER = operator.attrgetter("order")
-_E = TypeVar("_E", "PendingRequest", "tuple[float, str, int, PendingRequest]")
 _LateBinds = Callable[[Sequence[NodeView], RequestEvent], bool]
 
 
@@ -450,14 +449,16 @@ class WindowBatcher:
     def _fair_aged(self) -> list[tuple[float, str, int, PendingRequest]]:
         """The aged requests, oldest first per tenant, the tenants interleaved by their counters (as `_fair_order`);
         one tenant: `_aged` itself."""
-        by: dict[str, list[tuple[float, str, int, PendingRequest]]] = {}
+        by: dict[str, list[PendingRequest]] = {}
+        entry: dict[int, tuple[float, str, int, PendingRequest]] = {}
         for e in self._aged:
-            by.setdefault(e[3].request.tenant, []).append(e)
+            by.setdefault(e[3].request.tenant, []).append(e[3])
+            entry[id(e[3])] = e
         if len(by) < 2:
             return self._aged
-        return self._interleave(by)
+        return [entry[id(p)] for p in self._interleave(by)]
 
-    def _interleave(self, by: dict[str, list[_E]]) -> list[_E]:
+    def _interleave(self, by: dict[str, list[PendingRequest]]) -> list[PendingRequest]:
         """Items grouped by tenant, in virtual-token-counter order: repeatedly the tenant with the smallest counter
         (as if each item handed out before were placed), its next item. A tenant that had nothing waiting starts at
         the smallest counter of those that had (or, when none had, at the largest of those present): idle time earns
@@ -470,13 +471,13 @@ class WindowBatcher:
                 vtc.lift(t, floor)
         heap = [(vtc.get(t), t, 0) for t in by]
         heapq.heapify(heap)
-        out: list[_E] = []
+        out: list[PendingRequest] = []
         while heap:
             c, t, k = heapq.heappop(heap)
             item = by[t][k]
             out.append(item)
             if k + 1 < len(by[t]):
-                req = item[3].request if isinstance(item, tuple) else item.request
+                req = item.request
                 heapq.heappush(heap, (c + vtc.cost(req.in_tokens, req.out_tokens), t, k + 1))
         return out
 

@@ -177,3 +177,72 @@ def rack_imbalance(res: SimResult, rack_of_node: Mapping[str, str]) -> float:
     if mean <= 0:
         return 1.0
     return max(per_node.values()) / mean
+
+
+def served_tokens(res: SimResult, rids: Sequence[int], start_ms: float, end_ms: float) -> float:
+    """The tokens the cluster served to the requests `rids` between `start_ms` and `end_ms`: a request's prompt
+    tokens when its first token came (its prefill ended), its generated tokens spread evenly between its first token
+    and its finish (decode runs at about one token per step). Only requests that finished count (a dropped one
+    produced no result); a batch sequence preempted and run again counts its tokens once, over its whole span."""
+    return sum(service_bins(res, rids, start_ms, end_ms - start_ms, 1))
+
+
+def service_bins(res: SimResult, rids: Sequence[int], t0_ms: float, bin_ms: float, bins: int,
+                 out_weight: float = 1.0) -> list[float]:
+    """`served_tokens` per bin: bin k covers [t0_ms + k * bin_ms, t0_ms + (k + 1) * bin_ms). `out_weight`: a
+    generated token's weight, a prompt token's being 1 (the virtual token counter's `w_out`, pipeline/priority.py)."""
+    out = [0.0] * bins
+    end = t0_ms + bins * bin_ms
+    for i in rids:
+        ft, fin = res.first_token[i], res.finish[i]
+        if fin < 0 or ft < 0 or res.dropped[i]:
+            continue
+        if t0_ms <= ft < end:
+            out[int((ft - t0_ms) // bin_ms)] += res.in_tokens[i]
+        n = res.out_tokens[i] * out_weight
+        if fin <= ft:  # one token, or all at once: at the first token
+            if t0_ms <= ft < end:
+                out[int((ft - t0_ms) // bin_ms)] += n
+            continue
+        if fin <= t0_ms or ft >= end:
+            continue
+        rate = n / (fin - ft)
+        for k in range(max(0, int((ft - t0_ms) // bin_ms)), min(bins, int((fin - t0_ms) // bin_ms) + 1)):
+            lo = t0_ms + k * bin_ms
+            out[k] += rate * max(0.0, min(fin, lo + bin_ms) - max(ft, lo))
+    return out
+
+
+def ttft_percentile_bins(res: SimResult, rids: Sequence[int], t0_ms: float, bin_ms: float, bins: int,
+                         q: float = 99.0) -> list[float | None]:
+    """Per bin of arrival time (as `service_bins`), the q-th percentile TTFT (ms) of the requests `rids` that
+    arrived in it and got a first token; None where none did."""
+    per: list[list[float]] = [[] for _ in range(bins)]
+    for i in rids:
+        a, ft = res.arrival[i], res.first_token[i]
+        if ft < 0 or res.dropped[i] or not t0_ms <= a < t0_ms + bins * bin_ms:
+            continue
+        per[int((a - t0_ms) // bin_ms)].append(ft - a)
+    return [percentile(v, q) if v else None for v in per]
+
+
+def equal_share_error(service: Mapping[str, Sequence[float]]) -> tuple[list[dict[str, float]], float]:
+    """Per bin, each tenant's share of the service (`service`: per tenant, its service per bin; the bins aligned),
+    and the largest |share - 1/T| / (1/T) over bins and tenants (T tenants): 0 when every bin is split equally, 1 when
+    one of two tenants got nothing in some bin. A bin in which no tenant was served has no shares and counts as 1."""
+    tenants = list(service)
+    if not tenants:
+        return [], 0.0
+    fair = 1.0 / len(tenants)
+    shares: list[dict[str, float]] = []
+    worst = 0.0
+    for k in range(min(len(v) for v in service.values())):
+        total = sum(service[t][k] for t in tenants)
+        if total <= 0:
+            shares.append({})
+            worst = max(worst, 1.0)
+            continue
+        row = {t: service[t][k] / total for t in tenants}
+        shares.append(row)
+        worst = max(worst, *(abs(x - fair) / fair for x in row.values()))
+    return shares, worst

@@ -45,6 +45,8 @@ from pipeline.sim.traces import TraceRequest
 from pipeline.sim.world import WorldSpec
 
 FAULT, NODE_END, BATCH, ARRIVAL, WINDOW = 0, 1, 2, 3, 4
+SHED_REASON = "shed (429)"
+"""The drop reason of a request the gateway's admission shed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,15 @@ class SimResult:
     """Per request, the output length the control plane expected (oracle: the true one)."""
     max_tokens: list[int | None] = field(default_factory=list)
     """Per request, the max_tokens its client sent (None: unset)."""
+    tenant: list[str] = field(default_factory=list)
+    """Per request, its tenant (the trace's; empty: the simulation's one tenant)."""
+    priority: list[int] = field(default_factory=list)
+    """Per request, its class (pipeline/priority.py: 0 interactive, 1 batch)."""
+    drop_reason: list[str] = field(default_factory=list)
+    """Per request, why it was dropped (a key of `drop_reasons`; the first reason where there were several); empty:
+    not dropped."""
+    priority_preemptions: int = 0
+    """Of `preemptions`, those of a batch sequence for an interactive one (`batch_yield: preempt`)."""
 
 
 class Simulator:
@@ -230,7 +241,7 @@ class Simulator:
             else:
                 batcher = WindowBatcher(pol.batcher, policies, caps, models)
             self.racks[rack.name] = _Rack(rack.name, idx, batcher, policies)
-        self._inflight: list[list[float]] = [[0.0, 0.0, 0.0] for _ in self.nodes]
+        self._inflight: list[list[float]] = [[0.0, 0.0, 0.0, 0.0, 0.0] for _ in self.nodes]
         """Per node: the memory, requests and prompt tokens of batches dispatched to it that it has not received yet
         (what the live batcher's ReservationLedger adds to the node's view until its status shows them admitted)."""
         self._views: list[NodeView | None] = [None] * len(self.nodes)
@@ -257,6 +268,10 @@ class Simulator:
         self._gw_batch: dict[str, int] = {}
         """Per rack, of its queue as the gateway read it, the batch-class requests (in its batcher, waiting in its
         engines)."""
+        self._gw_tenants: dict[str, dict[str, int]] = {}
+        """Per rack, its window's interactive requests per tenant (read only when the trace has several tenants and
+        `batcher.fair_share` is on: the admission's fair share)."""
+        self._multi_tenant = config.policies.batcher.fair_share and len({r.tenant for r in self.reqs}) > 1
         self._gw_views: dict[str, RackView] = {}
         self._gw_summary: dict[str, RackSummary] = {}
         """Per model, the gateway router's summary of `_gw_views` (they change only at the gateway's reads)."""
@@ -273,6 +288,7 @@ class Simulator:
         self.node_of = [-1] * n
         self.dropped = [False] * n
         self.drop_reasons: dict[str, int] = {}
+        self.drop_reason = [""] * n
         self.n_dropped = 0
         self.mem_est = [0.0] * n
         self.beliefs = [SpeedBelief() for _ in self.nodes]
@@ -371,18 +387,19 @@ class Simulator:
         n = self.nodes[i]
         fl = self._inflight[i]
         f_mem, f_n, f_tok = max(0.0, fl[0]), max(0, int(fl[1])), max(0, int(fl[2]))
+        f_b, f_bkb = max(0, int(fl[3])), max(0.0, fl[4])
         v = self._views[i] = NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
             max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
             prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=n.slowdown, max_seqs=n.max_num_seqs,
-            batch_seqs=n.batch_seqs, batch_kv_kb=n.batch_mem_kb,
+            batch_seqs=n.batch_seqs + f_b, batch_kv_kb=n.batch_mem_kb + f_bkb,
         ) if self.oracle else NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
             max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
             prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=self.beliefs[i].decode, max_seqs=n.max_num_seqs,
-            prefill_slowdown=self.beliefs[i].prefill, batch_seqs=n.batch_seqs, batch_kv_kb=n.batch_mem_kb,
+            prefill_slowdown=self.beliefs[i].prefill, batch_seqs=n.batch_seqs + f_b, batch_kv_kb=n.batch_mem_kb + f_bkb,
         )
         return v
 
@@ -429,9 +446,10 @@ class Simulator:
         mem = estimate_mem_kb(model, tr.in_tokens, expected, prof.estimator, prof.shape_margin)
         self.mem_est[rid] = mem
         self._refresh_rack_work(now)
-        if self.admission is not None and not self._admit(tr.user_id or f"anon-{rid}", model_name, now, tr.priority):
+        if self.admission is not None and not self._admit(tr.user_id or f"anon-{rid}", model_name, now, tr.priority,
+                                                          tr.tenant):
             self.shed += 1
-            self._drop(rid, "shed (429)")
+            self._drop(rid, SHED_REASON)
             return
         cp = self._cp
         if cp is None:
@@ -501,6 +519,8 @@ class Simulator:
                     in_engines += min(len(n.waiting), n.batch_seqs)
             queued[name] = rack.batcher.pending_count + waiting
             batch[name] = rack.batcher.batch_waiting + in_engines
+            if self._multi_tenant:
+                self._gw_tenants[name] = rack.batcher.tenant_waiting()
             views[name] = RackView(name, self.rack_views[name].healthy, float(queued[name] + running))
         since = self._queued_since
         for name, q in queued.items():
@@ -512,7 +532,7 @@ class Simulator:
         self._gw_summary = {}
         return queued, views
 
-    def _admit(self, user: str, model: str, now: float, priority: int = 0) -> bool:
+    def _admit(self, user: str, model: str, now: float, priority: int = 0, tenant: str = "") -> bool:
         """The gateway's admission (pipeline.admission): the rack it predicts for the request, that rack's queue
         (batcher backlog + requests waiting in its engines) and the cluster's completion rate of the last 3 s, one
         share of it per rack."""
@@ -533,12 +553,15 @@ class Simulator:
             rate = len(done) * 1000.0 / span / max(1, len(self.racks))
         since = self._queued_since
         queued_for = (now - since[target]) / 1000.0 if target in since else 0.0
-        return self.admission.decide(queued[target], rate, queued_for, self._gw_batch.get(target, 0),
-                                     priority).admit
+        per = self._gw_tenants.get(target) if self._multi_tenant else None
+        return self.admission.decide(queued[target], rate, queued_for, self._gw_batch.get(target, 0), priority,
+                                     per.get(tenant, 0) if per is not None else None,
+                                     len(per) + (tenant not in per) if per is not None else 1).admit
 
     def _drop(self, rid: int, reason: str) -> None:
         if not self.dropped[rid]:
             self.n_dropped += 1
+            self.drop_reason[rid] = reason
         self.dropped[rid] = True
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
 
@@ -549,7 +572,8 @@ class Simulator:
         views = [self._node_view(i) for i in rack.nodes]
         reason = b.close_reason(now, views)
         if reason == CloseReason.NOT_YET:
-            assert b.window_open_ms is not None
+            if b.window_open_ms is None:
+                return  # batch work alone, and no node has a slot for it: a node's end (a slot freed) tries again
             due = b.window_open_ms + self.config.policies.batcher.window_ms
             if rack.timer_at is None or rack.timer_at > due:
                 rack.timer_at = due
@@ -598,6 +622,10 @@ class Simulator:
             fl[0] += sum(q.mem_est_kb for q in seqs)
             fl[1] += len(seqs)
             fl[2] += sum(q.prompt for q in seqs)
+            for q in seqs:
+                if q.priority:
+                    fl[3] += 1
+                    fl[4] += q.mem_est_kb
             self._views[i] = None
         self._push(at, BATCH, (i, seqs))
 
@@ -608,6 +636,10 @@ class Simulator:
             fl[0] -= sum(q.mem_est_kb for q in seqs)
             fl[1] -= len(seqs)
             fl[2] -= sum(q.prompt for q in seqs)
+            for q in seqs:
+                if q.priority:
+                    fl[3] -= 1
+                    fl[4] -= q.mem_est_kb
             self._views[i] = None
         if not node.alive:  # it died while the batch was in flight: fail over like its other sequences
             self._migrate(i, seqs, now)
@@ -841,6 +873,8 @@ class Simulator:
             control_plane=self._control_plane_report(span), oracle=self.oracle,
             belief_error_tenth=self.belief_error_tenth, belief_error_end=self._belief_errors(),
             expected_out=self.expected_out, max_tokens=self.max_tokens,
+            tenant=[r.tenant for r in self.reqs], priority=[r.priority for r in self.reqs],
+            drop_reason=self.drop_reason, priority_preemptions=sum(x.priority_preemptions for x in self.nodes),
         )
 
     def _control_plane_report(self, span: float) -> dict[str, dict[str, float]]:

@@ -205,11 +205,15 @@ def test_aged_requests_of_several_tenants_are_placed_fairly_too_not_oldest_first
 
 def test_admission_lets_a_tenant_under_its_share_of_a_full_queue_in_and_sheds_the_one_over_it() -> None:
     adm = Admission(GatewayConfig(max_rack_queue=100))
-    # 120 queued, 100 of them the heavy tenant's: the light one (20 < 120 / 2) still gets in, the heavy one not
+    # 120 queued, 100 of them the heavy tenant's: the light one (20 < 100 / 2) still gets in, the heavy one not
     assert adm.decide(120, 10.0, 0.0, tenant_queued=20, tenants=2).reason is ShedReason.UNDER_SHARE
     assert not adm.decide(120, 10.0, 0.0, tenant_queued=100, tenants=2).admit
+    # the queue stays bounded: a tenant at its share of the bound is shed however long the queue
+    assert not adm.decide(735, 10.0, 0.0, tenant_queued=50, tenants=2).admit
     assert not adm.decide(120, 10.0, 0.0, tenant_queued=20, tenants=1).admit  # one tenant: the bound alone
     assert not adm.decide(120, 10.0, 0.0).admit  # not known: the bound alone
+    # no exemption for batch work: its tenants share through the batchers' batch queue
+    assert not adm.decide(120, 10.0, 0.0, tenant_queued=0, tenants=2, priority=BATCH).admit
 
 
 def test_a_racks_tenant_counts_merge_its_fresh_batchers_and_skip_stale_or_broken_entries() -> None:

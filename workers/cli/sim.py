@@ -375,7 +375,8 @@ SUBCOMMANDS: dict[str, tuple[str, list[str]]] = {
 defaults, so the code behind every subcommand reads one namespace)."""
 
 
-EXPERIMENT_NAMES = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing", "vidur")
+EXPERIMENT_NAMES = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing", "vidur", "priority",
+                    "fairness")
 """workers.sim.experiments.EXPERIMENTS, named here so that building the parser imports no experiment code."""
 
 

@@ -17,6 +17,14 @@ the seed's claim printed next to what we measure (our numbers may differ; they a
 - vidur: Microsoft's Vidur simulator (vidur==0.0.26, `make .venv-vidur`) and ours side by side on one H100 serving
   Llama-2-7B, the first 2,000 Azure conversation requests, the same batch cap, chunk and KV blocks
   (`workers/sim/vidur_peer.py`).
+- priority: one rack of 2 H100 TP8 nodes (Qwen2-72B) serving the Azure conversation trace at 0.7 of its capacity,
+  and a batch backlog (class `batch`, tenant `batch-job`) arriving at once a quarter of the way in, larger than the
+  cluster serves in the rest of the trace: interactive alone, with the backlog under `batch_yield: preempt` and
+  `hold`, and with the backlog given no priority (FCFS, as before classes): the interactive P99 TTFT against alone,
+  and how much of the capacity interactive work leaves idle the backlog uses (`batch_idle_use`).
+- fairness: the same rack, two tenants drawing from the Azure conversation trace at 3:1 (1.8x and 0.6x of the
+  capacity: each above an equal share), `fair_share` on against off, with the gateway's admission and without it:
+  each tenant's service per minute and its largest distance from an equal share (`max_share_error`).
 """
 
 from __future__ import annotations
@@ -27,16 +35,21 @@ import json
 import math
 import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import RackflowConfig
+from pipeline.priority import BATCH, INTERACTIVE
 from pipeline.sim.control_plane import ControlPlaneCosts, Station, size_for
-from pipeline.sim.simulator import Fault, SimParams, SimResult
+from pipeline.sim.report import equal_share_error, served_tokens, service_bins, ttft_percentile_bins
+from pipeline.sim.simulator import SHED_REASON, Fault, SimParams, SimResult
 from pipeline.sim.traces import TraceRequest, assign_users, parse_azure, parse_mooncake, scale_rate, superpose
+from pipeline.stats import percentile
 from workers.sim.harness import AZURE_CONV, REPO, format_table, plot_compare, run_once, sim_config
+from workers.sim.matrix import _span_rate, flood_capacity
 
-EXPERIMENTS = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing", "vidur")
+EXPERIMENTS = ("roundrobin-vs-weighted", "window-batching", "scale-pareto", "sizing", "vidur", "priority", "fairness")
 
 
 def _cluster(racks: int, nodes_per_rack: int, gpu: str = "h100-80gb", tp: int = 8, model: str = "qwen2-72b"
@@ -463,6 +476,366 @@ def vidur(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return result
 
 
+# -- priority classes and fair shares (pipeline/priority.py) -----------------------------------------------------------
+CLASS_MODEL = "qwen2-72b"
+"""The model of `priority` and `fairness`: one rack of 2 H100 TP8 nodes serving it (`_class_rack`)."""
+PRIORITY_LOAD = 0.7
+"""`priority`: the interactive trace's mean load, a fraction of the cluster's capacity on it."""
+PRIORITY_REQUESTS = 9000
+"""`priority`: interactive requests by default (the first of the Azure conversation trace; ~10 simulated minutes)."""
+BACKLOG_AT = 0.25
+"""`priority`: the batch backlog arrives this far into the interactive trace's span."""
+BACKLOG_OVER = 1.2
+"""`priority`: the backlog holds this many times the requests the cluster completes at capacity in the rest of the
+interactive trace: it outlasts the trace in every run, the batch-only one included (`saturated` says whether it
+did)."""
+BATCH_TENANT = "batch-job"
+BATCH_USERS = 64
+BIN_MS = 30_000.0
+"""`priority`'s plots: bins of 30 s (P99 TTFT by arrival time, tokens per second)."""
+PRIORITY_TARGETS = {"interactive_p99_ttft_ratio": 1.10, "batch_idle_use": 0.90}
+"""The issue's targets: interactive P99 TTFT with the backlog within 10% of alone, and the backlog using at least
+90% of the capacity interactive work leaves idle."""
+FAIR_DEMAND = (("tenant-a", 1.8), ("tenant-b", 0.6))
+"""`fairness`: each tenant's demand, a multiple of the cluster's capacity: 3:1, each above an equal share (0.5)."""
+FAIR_MINUTES = 6
+"""`fairness`: minutes of arrivals by default (`--requests` sets the two tenants' requests instead)."""
+FAIR_TARGET = 0.10
+"""`fairness`: the issue's target, every minute's share within 10% of an equal one."""
+FAIR_BIN_MS = 60_000.0
+"""`fairness`: shares are scored per bin of this width (a minute; the tests use shorter ones)."""
+
+
+def _class_rack() -> dict[str, Any]:
+    return _cluster(1, 2, model=CLASS_MODEL)
+
+
+def _capacity(args: argparse.Namespace, cfg: RackflowConfig, reqs: list[TraceRequest]) -> dict[str, float]:
+    """The cluster's capacity on `reqs` as `rackflow sim matrix` measures it (`flood_capacity`: completions per
+    second in the steady middle of a flood of them, admission off), with the experiment's config and node policy."""
+
+    def steady(scale: float) -> float:
+        row, _ = run_once(cfg, list(scale_rate(reqs, scale)), _params(admission=False), [], CLASS_MODEL,
+                          not args.no_progress, label=f"capacity: flood x{scale:.1f}")
+        return float(row["steady_throughput_rps"])
+
+    return flood_capacity(reqs, steady)
+
+
+def _scaled(reqs: list[TraceRequest], rps: float, tenant: str) -> list[TraceRequest]:
+    """`reqs` from time 0, compressed to a mean rate of `rps`, as `tenant`'s (its users apart from any other
+    tenant's)."""
+    scaled = list(scale_rate(reqs, rps / _span_rate(reqs)))
+    t0 = scaled[0].arrival_ms
+    return [dataclasses.replace(r, arrival_ms=r.arrival_ms - t0, tenant=tenant, user_id=f"{tenant}/{r.user_id}")
+            for r in scaled]
+
+
+def priority(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    # 1. the interactive trace (the first --requests Azure conversation requests) at PRIORITY_LOAD of the rack's
+    #    capacity on it, measured as the matrix does; 2. the backlog: requests drawn (with replacement) from the whole
+    #    trace's lengths, all arriving at BACKLOG_AT of the span; 3. the batch-only run of the backlog measures the
+    #    rack's token capacity over the backlog period [arrival of the backlog, last interactive arrival]
+    seed = args.seed
+    cfg = _config(args, _class_rack(), "work_aware", seed)
+    raw = _azure(args.requests or PRIORITY_REQUESTS, 1.0, seed)
+    flood = _capacity(args, cfg, raw)
+    cap = flood["capacity_rps"]
+    inter = _scaled(raw, PRIORITY_LOAD * cap, "chat")
+    end = inter[-1].arrival_ms
+    at = round(BACKLOG_AT * end / 1000.0) * 1000.0
+    count = math.ceil(BACKLOG_OVER * cap * (end - at) / 1000.0)
+    drawn = random.Random(seed + 3).choices(_azure(None, 1.0, seed), k=count)
+
+    def backlog(cls: int) -> list[TraceRequest]:
+        return [TraceRequest(at, r.in_tokens, r.out_tokens, user_id=f"{BATCH_TENANT}/{k % BATCH_USERS}",
+                             tenant=BATCH_TENANT, priority=cls) for k, r in enumerate(drawn)]
+
+    def merged(cls: int) -> list[TraceRequest]:
+        return sorted(inter + backlog(cls), key=lambda r: r.arrival_ms)  # stable: the trace's order at equal times
+
+    runs: dict[str, tuple[list[TraceRequest], dict[str, Any]]] = {
+        "batch-only": (backlog(BATCH), {}),
+        "alone": (inter, {}),
+        "preempt": (merged(BATCH), {"batch_yield": "preempt"}),
+        "hold": (merged(BATCH), {"batch_yield": "hold"}),
+        "no-priority": (merged(INTERACTIVE), {}),
+    }
+    results: dict[str, SimResult] = {}
+    table: dict[str, dict[str, Any]] = {}
+    for name, (reqs, batcher) in runs.items():
+        run_cfg = _config(args, _class_rack(), "work_aware", seed, batcher)
+        row, results[name] = run_once(run_cfg, reqs, _params(), [], CLASS_MODEL, not args.no_progress, label=name)
+        table[name] = {k: row[k] for k in ("requests", "shed", "sim_wall_s", "simulated_s")}
+    cap_tokens = served_tokens(results["batch-only"], range(count), at, end)
+    for name, res in results.items():
+        table[name] |= _priority_row(res, at, end, cap_tokens)
+    alone = table["alone"]["interactive_p99_ttft_ms"]
+    for row in table.values():
+        p99 = row["interactive_p99_ttft_ms"]
+        row["interactive_p99_ttft_ratio"] = round(p99 / alone, 3) if alone and p99 is not None else None
+    plot = out / "priority.png"
+    _plot_priority(results, at, end, plot)
+    default = cfg.policies.batcher.batch_yield
+    d = table[default]
+    period_s = (end - at) / 1000.0
+    setup = {
+        "cluster": f"1 rack x 2 H100 TP8 nodes, {CLASS_MODEL}", "node_policy": "work_aware",
+        "default_batch_yield": default, "headline": f"the top-level figures are the default's ({default})",
+        "capacity_rps": cap, "capacity_flood": flood, "interactive_load": PRIORITY_LOAD,
+        "interactive_requests": len(inter), "interactive_rps": round(len(inter) / (end / 1000.0), 3),
+        "interactive_span_s": round(end / 1000.0, 1), "backlog_at_s": at / 1000.0, "backlog_requests": count,
+        "backlog_period_s": round(period_s, 1),
+        "token_capacity": round(cap_tokens), "token_capacity_per_s": round(cap_tokens / period_s, 1),
+        "ttft_over": "interactive requests arriving in the backlog period (TTFT P99 and P50, TPOT P50 and P99); "
+                     "`interactive_p99_ttft_all_ms`: every interactive request",
+        "tokens": "prompt tokens when the first token comes, generated tokens spread evenly from first token to "
+                  "finish, within the backlog period",
+        "lost": "requests of either class with no result that admission did not shed (429s are `shed`, apart)",
+    }
+    return {
+        "setup": setup, "table": table, "plot": str(plot),
+        "interactive_p99_ttft_ms": d["interactive_p99_ttft_ms"], "interactive_alone_p99_ttft_ms": alone,
+        "interactive_p99_ttft_ratio": d["interactive_p99_ttft_ratio"], "batch_idle_use": d["batch_idle_use"],
+        "lost": d["interactive_lost"] + d["batch_lost"], "shed": d["interactive_shed"] + d["batch_shed"],
+        "targets": PRIORITY_TARGETS, "meets": _meets(d),
+        "by_yield": {y: {k: table[y][k] for k in ("interactive_p99_ttft_ms", "interactive_p99_ttft_ratio",
+                                                  "batch_idle_use", "interactive_lost", "batch_lost",
+                                                  "interactive_shed", "batch_shed")} | {"meets": _meets(table[y])}
+                     for y in ("preempt", "hold")},
+        "text": _priority_text(setup, table),
+        "claims": [],
+    }
+
+
+def _meets(row: dict[str, Any]) -> dict[str, bool]:
+    return {"interactive_p99_ttft_ratio": (row["interactive_p99_ttft_ratio"] or math.inf)
+            <= PRIORITY_TARGETS["interactive_p99_ttft_ratio"],
+            "batch_idle_use": (row["batch_idle_use"] or 0.0) >= PRIORITY_TARGETS["batch_idle_use"]}
+
+
+def _split(res: SimResult) -> tuple[list[int], list[int]]:
+    """(interactive requests, the backlog's), by tenant: the backlog keeps its tenant when it runs as interactive."""
+    batch = [i for i, t in enumerate(res.tenant) if t == BATCH_TENANT]
+    return [i for i, t in enumerate(res.tenant) if t != BATCH_TENANT], batch
+
+
+def _fates(res: SimResult, ids: list[int]) -> tuple[int, int, int]:
+    """(completed, shed by admission, lost: no result otherwise) of the requests `ids`."""
+    done = sum(1 for i in ids if res.finish[i] >= 0 and not res.dropped[i])
+    shed = sum(1 for i in ids if res.drop_reason[i] == SHED_REASON)
+    return done, shed, len(ids) - done - shed
+
+
+def _latencies(res: SimResult, ids: Sequence[int]) -> tuple[list[float], list[float]]:
+    """TTFT and TPOT ((finish - first token) / (output tokens - 1)), in ms, of the requests `ids` that completed;
+    TPOT of those with more than one output token."""
+    done = [i for i in ids if res.finish[i] >= 0 and res.first_token[i] >= 0 and not res.dropped[i]]
+    return ([res.first_token[i] - res.arrival[i] for i in done],
+            [(res.finish[i] - res.first_token[i]) / (res.out_tokens[i] - 1) for i in done if res.out_tokens[i] > 1])
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q), 1) if values else None
+
+
+def _priority_row(res: SimResult, at: float, end: float, cap_tokens: float) -> dict[str, Any]:
+    inter, batch = _split(res)
+    ttft, tpot = _latencies(res, [i for i in inter if at <= res.arrival[i] < end])
+    every, _ = _latencies(res, inter)
+    i_done, i_shed, i_lost = _fates(res, inter)
+    b_done, b_shed, b_lost = _fates(res, batch)
+    i_tok = served_tokens(res, inter, at, end)
+    b_tok = served_tokens(res, batch, at, end)
+    idle = cap_tokens - i_tok
+    return {
+        "interactive_p99_ttft_ms": _ms(ttft, 99), "interactive_p50_ttft_ms": _ms(ttft, 50),
+        "interactive_p99_ttft_all_ms": _ms(every, 99),
+        "interactive_p50_tpot_ms": _ms(tpot, 50), "interactive_p99_tpot_ms": _ms(tpot, 99),
+        "interactive_completed": i_done, "interactive_shed": i_shed, "interactive_lost": i_lost,
+        "interactive_tokens": round(i_tok), "idle_tokens": round(idle),
+        "idle_share": round(idle / cap_tokens, 4) if cap_tokens > 0 else None,
+        "batch_tokens": round(b_tok), "batch_tokens_per_s": round(b_tok * 1000.0 / (end - at), 1),
+        "batch_idle_use": round(b_tok / idle, 4) if batch and idle > 0 else None,
+        "batch_completed": b_done, "batch_shed": b_shed, "batch_lost": b_lost,
+        "batch_completed_in_period": sum(1 for i in batch if at <= res.finish[i] < end and not res.dropped[i]),
+        "saturated": any(res.finish[i] >= end for i in batch) if batch else None,
+        "preemptions": res.preemptions, "priority_preemptions": res.priority_preemptions,
+    }
+
+
+PRIORITY_KEYS = ("interactive_p99_ttft_ms", "interactive_p99_ttft_ratio", "interactive_p50_ttft_ms",
+                 "interactive_p99_ttft_all_ms", "interactive_p50_tpot_ms", "interactive_p99_tpot_ms",
+                 "interactive_shed", "interactive_lost", "interactive_tokens", "idle_share", "batch_tokens",
+                 "batch_tokens_per_s", "batch_idle_use", "batch_completed", "batch_completed_in_period", "batch_shed",
+                 "batch_lost", "saturated", "preemptions", "priority_preemptions", "sim_wall_s")
+
+
+def _priority_text(setup: dict[str, Any], table: dict[str, dict[str, Any]]) -> str:
+    head = (f"{setup['cluster']}; capacity {setup['capacity_rps']} req/s (flood); interactive: "
+            f"{setup['interactive_requests']} requests at {setup['interactive_rps']} req/s over "
+            f"{setup['interactive_span_s']} s; backlog: {setup['backlog_requests']} batch requests at "
+            f"{setup['backlog_at_s']:.0f} s; token capacity {setup['token_capacity_per_s']:,} tokens/s (batch-only "
+            f"run) over the {setup['backlog_period_s']} s backlog period")
+    return head + "\n" + format_table(table, PRIORITY_KEYS)
+
+
+def _plot_priority(results: dict[str, SimResult], at: float, end: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    last = max(r.end_ms for r in results.values())
+    bins = max(1, math.ceil(last / BIN_MS))
+    mids = [(k + 0.5) * BIN_MS / 1000.0 for k in range(bins)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, res in results.items():
+        inter, batch = _split(res)
+        if inter:
+            p99 = ttft_percentile_bins(res, inter, 0.0, BIN_MS, bins)
+            ax1.plot([m for m, v in zip(mids, p99, strict=True) if v is not None],
+                     [v for v in p99 if v is not None], label=name)
+        if batch:
+            tok = service_bins(res, batch, 0.0, BIN_MS, bins)
+            ax2.plot(mids, [t * 1000.0 / BIN_MS for t in tok], label=name, linestyle="--" if not inter else "-")
+    if "batch-only" in results and "alone" in results:  # what the backlog could use: capacity less interactive work
+        full = service_bins(results["batch-only"], range(len(results["batch-only"].arrival)), 0.0, BIN_MS, bins)
+        alone = service_bins(results["alone"], range(len(results["alone"].arrival)), 0.0, BIN_MS, bins)
+        idle = [(m, max(0.0, c - a) * 1000.0 / BIN_MS) for m, c, a in zip(mids, full, alone, strict=True)
+                if at / 1000.0 <= m <= end / 1000.0]
+        ax2.plot([m for m, _ in idle], [v for _, v in idle], color="k", linewidth=2.5, alpha=0.4,
+                 label="idle capacity (batch-only less interactive alone)")
+    for ax in (ax1, ax2):
+        ax.axvline(at / 1000.0, color="k", linestyle=":", label="backlog arrives")
+        ax.axvline(end / 1000.0, color="grey", linestyle=":", label="last interactive arrival")
+        ax.set_xlabel("simulated time (s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("interactive P99 TTFT (ms, log), by arrival")
+    ax1.set_title(f"Interactive P99 TTFT per {BIN_MS / 1000:.0f} s")
+    ax2.set_ylabel("backlog tokens served per second")
+    ax2.set_title("Batch throughput (prompt + generated tokens)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def fairness(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    # two tenants drawing disjoint stretches of the Azure conversation trace, each compressed to its demand
+    # (FAIR_DEMAND x the capacity, measured as in `priority`), over FAIR_MINUTES of arrivals; fair_share on and off,
+    # with the gateway's admission (the default) and without (every request queues); and the same demand as batch
+    # class (whose queue is always in tenant order), with and without admission
+    seed = args.seed
+    cfg = _config(args, _class_rack(), "work_aware", seed)
+    pool = _azure(None, 1.0, seed)
+    flood = _capacity(args, cfg, pool[:min(PRIORITY_REQUESTS, args.requests or PRIORITY_REQUESTS)])
+    cap = flood["capacity_rps"]
+    total = sum(d for _, d in FAIR_DEMAND)
+    minutes = args.requests / (total * cap * 60.0) if args.requests else float(FAIR_MINUTES)
+    tenants: list[TraceRequest] = []
+    start = 0
+    for tenant, demand in FAIR_DEMAND:
+        n = max(2, round(demand * cap * minutes * 60.0)) + 1
+        if start + n > len(pool):
+            raise SystemExit(f"rackflow sim experiment fairness: {minutes:.1f} minutes need {start + n} requests; "
+                             f"the trace has {len(pool)}")
+        tenants += _scaled(pool[start:start + n], demand * cap, tenant)
+        start += n
+    tenants.sort(key=lambda r: r.arrival_ms)
+    as_batch = [dataclasses.replace(r, priority=BATCH) for r in tenants]
+    runs: dict[str, tuple[list[TraceRequest], bool, dict[str, Any]]] = {
+        "fair": (tenants, True, {"fair_share": True}),
+        "unfair": (tenants, True, {"fair_share": False}),
+        "fair, no admission": (tenants, False, {"fair_share": True}),
+        "unfair, no admission": (tenants, False, {"fair_share": False}),
+        "batch class": (as_batch, True, {}),
+        "batch class, no admission": (as_batch, False, {}),
+    }
+    bins = math.floor(minutes * 60_000.0 / FAIR_BIN_MS)
+    table: dict[str, dict[str, Any]] = {}
+    service: dict[str, dict[str, list[float]]] = {}
+    for name, (reqs, admission, batcher) in runs.items():
+        run_cfg = _config(args, _class_rack(), "work_aware", seed, batcher)
+        row, res = run_once(run_cfg, reqs, _params(admission=admission), [], CLASS_MODEL, not args.no_progress,
+                            label=name)
+        service[name], table[name] = _fair_row(res, bins, run_cfg.policies.batcher.vtc_out_weight)
+        table[name] = {"admission": admission, **batcher, **table[name], "sim_wall_s": row["sim_wall_s"],
+                       "simulated_s": row["simulated_s"]}
+    plot = out / "fairness.png"
+    _plot_fairness(service, plot)
+    setup = {"cluster": f"1 rack x 2 H100 TP8 nodes, {CLASS_MODEL}", "node_policy": "work_aware",
+             "capacity_rps": cap, "capacity_flood": flood,
+             "demand": {t: {"x_capacity": d, "rps": round(d * cap, 3)} for t, d in FAIR_DEMAND},
+             "minutes": round(minutes, 2), "full_minutes_scored": bins,
+             "service": "per tenant and minute, prompt tokens when the first token comes and generated tokens spread "
+                        "evenly from first token to finish (tokens served in the minute, whether or not the "
+                        "request completed in it)"}
+    return {"setup": setup, "table": table, "plot": str(plot), "max_share_error": table["fair"]["max_share_error"],
+            "max_share_error_unfair": table["unfair"]["max_share_error"], "target": FAIR_TARGET,
+            "meets": table["fair"]["max_share_error"] <= FAIR_TARGET, "text": _fairness_text(setup, table),
+            "claims": []}
+
+
+def _fair_row(res: SimResult, bins: int, w_out: float) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Each tenant's service per bin, and the run's figures: the largest distance from an equal share, in tokens
+    and in the virtual token counter's weighted tokens (a generated token `w_out`), and per tenant its fates, P99
+    TTFT, service and share per bin."""
+    by = {t: [i for i, x in enumerate(res.tenant) if x == t] for t, _ in FAIR_DEMAND}
+    service = {t: service_bins(res, ids, 0.0, FAIR_BIN_MS, bins) for t, ids in by.items()}
+    shares, err = equal_share_error(service)
+    _, err_w = equal_share_error({t: service_bins(res, ids, 0.0, FAIR_BIN_MS, bins, w_out) for t, ids in by.items()})
+    per: dict[str, Any] = {}
+    for t, ids in by.items():
+        done, shed, lost = _fates(res, ids)
+        per[t] = {"requests": len(ids), "completed": done, "shed": shed, "lost": lost,
+                  "p99_ttft_ms": _ms(_latencies(res, ids)[0], 99),
+                  "tokens_per_minute": [round(x) for x in service[t]],
+                  "share_per_minute": [round(s.get(t, 0.0), 4) for s in shares]}
+    return service, {"max_share_error": round(err, 4), "max_share_error_vtc_weighted": round(err_w, 4),
+                     "tenants": per}
+
+
+def _fairness_text(setup: dict[str, Any], table: dict[str, dict[str, Any]]) -> str:
+    lines = [f"{setup['cluster']}; capacity {setup['capacity_rps']} req/s; demand "
+             + ", ".join(f"{t} {d['x_capacity']}x ({d['rps']} req/s)" for t, d in setup["demand"].items())
+             + f"; {setup['minutes']} minutes; share of each minute's tokens served",
+             f"{'run':<22} {'max_share_error':>15}  per tenant: share per minute | requests, shed (429), lost, "
+             "P99 TTFT ms"]
+    for name, row in table.items():
+        lines.append(f"{name:<22} {row['max_share_error']:>15}")
+        for t, v in row["tenants"].items():
+            shares = " ".join(f"{s:.2f}" for s in v["share_per_minute"])
+            lines.append(f"    {t:<10} {shares} | {v['requests']}, {v['shed']}, {v['lost']}, {v['p99_ttft_ms']}")
+    return "\n".join(lines)
+
+
+def _plot_fairness(service: dict[str, dict[str, list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = math.ceil(len(service) / 2)
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.5), sharey=True, squeeze=False)
+    for ax, (name, per) in zip(axes.flat, service.items(), strict=False):
+        for t, v in per.items():
+            ax.plot(range(1, len(v) + 1), [x / 1e6 for x in v], "o-", label=t)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(f"bin of {FAIR_BIN_MS / 1000:.0f} s")
+        ax.grid(True, alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("tokens served (millions)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Service per tenant and minute (demand 3:1, each above an equal share)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 ORACLE = False
 """`--oracle`: every simulation of the experiment hands the control plane the true output lengths and the engines'
 exact speed (`SimParams.oracle`); the JSON says so."""
@@ -483,7 +856,8 @@ def run_experiment(args: argparse.Namespace) -> int:
     out = Path(args.out or f"report/sim-{name}")
     out.mkdir(parents=True, exist_ok=True)
     fn = {"roundrobin-vs-weighted": roundrobin_vs_weighted, "window-batching": window_batching,
-          "scale-pareto": scale_pareto, "sizing": sizing, "vidur": vidur}[name]
+          "scale-pareto": scale_pareto, "sizing": sizing, "vidur": vidur, "priority": priority,
+          "fairness": fairness}[name]
     result = fn(args, out)
     result["oracle"] = ORACLE
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, sort_keys=True))

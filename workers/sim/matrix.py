@@ -84,7 +84,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -383,13 +383,21 @@ def measure_capacity(common: Mapping[str, Any], path: str, fmt: str, limit: int 
     """Round robin's steady-state throughput under a flood of the trace (admission off), compressed until the flood
     offers at least `FLOOD_OVER_CAPACITY` x what it completes (at most 4 runs): `capacity_rps`, the flood's
     `flood_offered_rps` and its `flood_scale`."""
-    native = _span_rate(_trace(path, fmt, limit, common["users"], seed))
-    scale = 50.0
+    return flood_capacity(_trace(path, fmt, limit, common["users"], seed), lambda scale: run_job(
+        Job(**common, trace=path, fmt=fmt, limit=limit, seed=seed, policy="round_robin", rate_scale=scale, faults=(),
+            admission=False, oracle=oracle))["steady_throughput_rps"])
+
+
+def flood_capacity(reqs: Sequence[TraceRequest], steady_rps: Callable[[float], float], scale: float = 50.0
+                   ) -> dict[str, float]:
+    """A cluster's capacity on `reqs`: `steady_rps(scale)` runs the flood of `reqs` at `scale` x their rate (admission
+    off) and returns its steady-state throughput; the flood is compressed until it offers at least
+    `FLOOD_OVER_CAPACITY` x what it completes (at most 4 runs). Returns `capacity_rps`, the flood's
+    `flood_offered_rps` and its `flood_scale`."""
+    native = _span_rate(reqs)
     cap = 0.0
     for _ in range(4):
-        r = run_job(Job(**common, trace=path, fmt=fmt, limit=limit, seed=seed, policy="round_robin",
-                        rate_scale=scale, faults=(), admission=False, oracle=oracle))
-        cap = r["steady_throughput_rps"]
+        cap = steady_rps(scale)
         if native * scale >= FLOOD_OVER_CAPACITY * cap:
             break
         scale = FLOOD_OVER_CAPACITY * 2 * cap / native
@@ -680,5 +688,5 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 __all__ = ["TRACES", "Job", "TraceSpec", "best_of", "build_jobs", "cmd_matrix", "default_slo", "default_traces",
-           "goodput_rps", "job_requests", "measure_capacity", "parse_traces", "pooled", "run_job", "run_matrix",
-           "summary", "worst_ratio"]
+           "flood_capacity", "goodput_rps", "job_requests", "measure_capacity", "parse_traces", "pooled", "run_job",
+           "run_matrix", "summary", "worst_ratio"]
