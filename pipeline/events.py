@@ -229,6 +229,8 @@ class HealthEvent:
     """Of the sequences running or waiting in the engine, those of the `batch` class (pipeline/priority.py)."""
     batch_kv_kb: float = 0.0
     """Their estimated KV memory (the batcher's units): what an interactive request may take from them."""
+    batch_prefill_tokens: int = 0
+    """Of `prefill_tokens`, the batch sequences' (interactive prefills go first)."""
 
 
 @dataclass(frozen=True, slots=True)

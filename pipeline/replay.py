@@ -42,7 +42,7 @@ from pipeline.routing.views import NodeView, RackView
 VIEW_FIELDS = (
     "active", "vram_total_gb", "free_vram_gb", "pcie_util_pct", "avg_latency_ms", "kv_capacity_kb", "kv_free_kb",
     "running", "waiting", "prefill_tokens", "decode_seqs", "decode_tokens", "kv_usage", "slowdown", "max_seqs",
-    "prefill_slowdown", "batch_seqs", "batch_kv_kb",
+    "prefill_slowdown", "batch_seqs", "batch_kv_kb", "batch_prefill_tokens",
 )
 """The NodeView fields a window record carries, in order (a record written before a field existed is shorter: the
 missing fields take their defaults). `prefill_slowdown` None (the node learned no prefill speed of its own) is
@@ -195,6 +195,7 @@ def view_from_inputs(name: str, t: Sequence[float]) -> NodeView:
         kv_usage=vals.get("kv_usage", 0.0), slowdown=vals.get("slowdown", 1.0), max_seqs=int(vals.get("max_seqs", 0)),
         prefill_slowdown=ps if (ps := vals.get("prefill_slowdown", -1.0)) >= 0 else None,
         batch_seqs=int(vals.get("batch_seqs", 0)), batch_kv_kb=vals.get("batch_kv_kb", 0.0),
+        batch_prefill_tokens=int(vals.get("batch_prefill_tokens", 0)),
     )
 
 

@@ -15,14 +15,16 @@ from pipeline.stats import stream_id_key
 
 @dataclass
 class ReservationLedger:
-    _inflight: dict[str, list[tuple[tuple[int, int], float, int, int, int, float]]] = field(default_factory=dict)
+    _inflight: dict[str, list[tuple[tuple[int, int], float, int, int, int, float, int]]] = field(
+        default_factory=dict)
 
     def record(self, node: str, entry_id: str, mem_kb: float, requests: int, prompt_tokens: int = 0,
-               batch_requests: int = 0, batch_kb: float = 0.0) -> None:
-        """`batch_requests`, `batch_kb`: of the batch's requests, the batch-class ones and their memory (an
-        interactive request may take their slots and memory: NodeView.batch_seqs, batch_kv_kb)."""
+               batch_requests: int = 0, batch_kb: float = 0.0, batch_tokens: int = 0) -> None:
+        """`batch_requests`, `batch_kb`, `batch_tokens`: of the batch's requests, the batch-class ones, their memory
+        and their prompt tokens (an interactive request may take their slots and memory, and its prefill goes
+        first: NodeView.batch_seqs, batch_kv_kb, batch_prefill_tokens)."""
         self._inflight.setdefault(node, []).append(
-            (stream_id_key(entry_id), mem_kb, requests, prompt_tokens, batch_requests, batch_kb))
+            (stream_id_key(entry_id), mem_kb, requests, prompt_tokens, batch_requests, batch_kb, batch_tokens))
 
     def reserved_kb(self, node: str) -> float:
         return sum(r[1] for r in self._inflight.get(node, ()))
@@ -42,6 +44,7 @@ class ReservationLedger:
         if nb:
             return replace(view, kv_free_kb=max(0.0, view.kv_free_kb - mem), waiting=view.waiting + n,
                            prefill_tokens=view.prefill_tokens + tokens, batch_seqs=view.batch_seqs + nb,
-                           batch_kv_kb=view.batch_kv_kb + sum(r[5] for r in pending))
+                           batch_kv_kb=view.batch_kv_kb + sum(r[5] for r in pending),
+                           batch_prefill_tokens=view.batch_prefill_tokens + sum(r[6] for r in pending))
         return replace(view, kv_free_kb=max(0.0, view.kv_free_kb - mem), waiting=view.waiting + n,
                        prefill_tokens=view.prefill_tokens + tokens)

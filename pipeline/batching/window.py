@@ -237,16 +237,22 @@ class WindowBatcher:
         return self.node_models is None or model in self.node_models.get(node, frozenset())
 
     def budgets(self, nodes: Sequence[NodeView]) -> dict[str, float]:
-        """Per active node, the memory an interactive request may take: its free KV (with `batch_yield: preempt`,
-        plus what its batch sequences hold), within its cap; 0 without a free slot."""
-        pre = self.policy.batch_yield == "preempt"
+        """Per active node, the memory a request may take: its free KV within its cap; 0 without a free slot. For
+        interactive requests the close passes the views `interactive_views` gives."""
         return {
-            n.name: (max(0.0, min(self.node_caps_kb.get(n.name, 0.0),
-                                  n.kv_free_kb + (n.batch_kv_kb if pre else 0.0)))
-                     if _slots(n, pre) > 0 else 0.0)
+            n.name: (max(0.0, min(self.node_caps_kb.get(n.name, 0.0), n.kv_free_kb)) if _slots(n) > 0 else 0.0)
             for n in nodes
             if n.active and n.name in self.node_caps_kb
         }
+
+    def interactive_views(self, nodes: Sequence[NodeView]) -> Sequence[NodeView]:
+        """The nodes as interactive requests see them (NodeView.for_interactive): the batch sequences' queued
+        prefill left out, and with `batch_yield: preempt` their slots and memory too; `nodes` itself when no node
+        holds batch work."""
+        if not any(n.batch_seqs or n.batch_prefill_tokens for n in nodes):
+            return nodes
+        pre = self.policy.batch_yield == "preempt"
+        return [n.for_interactive(pre) for n in nodes]
 
     def _batch_slots(self, n: NodeView) -> float:
         """Sequence slots a node has free for batch work: running slots nobody uses and nothing waiting for (with
@@ -255,9 +261,7 @@ class WindowBatcher:
             return 0.0
         if n.max_seqs <= 0:
             return 1.0 if n.waiting == 0 else 0.0
-        free = n.max_seqs - (n.running + n.waiting)
-        if self.policy.batch_yield == "hold":
-            free -= math.ceil(self.policy.batch_hold_slots * n.max_seqs)
+        free = n.max_seqs - (n.running + n.waiting) - batch_reserve(self.policy, n.max_seqs)
         return float(free)
 
     def batch_room(self, nodes: Sequence[NodeView]) -> bool:
@@ -292,6 +296,7 @@ class WindowBatcher:
             if self._batch:  # batch work alone waits for room, not for a window
                 return CloseReason.ROOM if self.batch_room(nodes) else CloseReason.NOT_YET
             return CloseReason.EMPTY
+        nodes = self.interactive_views(nodes)
         assert self.window_open_ms is not None
         if now_ms >= self.window_open_ms + self.policy.window_ms:  # same float expression as the timer
             return CloseReason.WINDOW_ELAPSED
@@ -358,6 +363,8 @@ class WindowBatcher:
             ordered = self._fair_order(fresh)
             fair = ordered is not fresh
             fresh = ordered
+        raw = nodes
+        nodes = self.interactive_views(nodes)
         budgets = self.budgets(nodes)
         views = {n.name: n for n in nodes}
         reserved: str | None = None
@@ -416,7 +423,7 @@ class WindowBatcher:
             self._waiting_tenants = frozenset(p.request.tenant for p in left_fresh) | frozenset(
                 e[3].request.tenant for e in self._aged)
         if self._batch:
-            self._place_batch(pack, rejections)
+            self._place_batch(pack, rejections, raw)
         out = tuple(
             BatchPlan(
                 node, tuple(reqs), sum(q.request.mem_est_kb for q in reqs), opening_budget[node],
@@ -481,13 +488,16 @@ class WindowBatcher:
                 heapq.heappush(heap, (c + vtc.cost(req.in_tokens, req.out_tokens), t, k + 1))
         return out
 
-    def _place_batch(self, pack: _Packing, rejections: list[Rejection]) -> None:
+    def _place_batch(self, pack: _Packing, rejections: list[Rejection], nodes: Sequence[NodeView]) -> None:
         """Batch requests, after every interactive one this close placed: only on nodes with a free slot for batch
         work (`_batch_slots`) and the memory, the node with the most free slots first; in the tenants'
         virtual-token-counter order. What fits nowhere waits (no aging: batch work waits as long as it must)."""
         queue = self._batch
         assert queue is not None
-        views = pack.views
+        views = {n.name: n for n in nodes}  # the nodes as they are (batch work included), with this close's placements
+        for node, placed_here in pack.plans.items():
+            for q in placed_here:
+                views[node] = views[node].with_placed(q.request.mem_est_kb, q.request.in_tokens)
         slots = {n.name: self._batch_slots(n) for n in views.values()}
         room = {n: min(self.node_caps_kb.get(n, 0.0), views[n].kv_free_kb) for n, k in slots.items() if k > 0}
         room = {n: b for n, b in room.items() if b > 0}
@@ -548,7 +558,7 @@ class _Packing:
         self.horizon = batcher.policy.max_queued_prefill_tokens
         self.budgets = budgets
         self.views = views
-        self.slots = {n: _slots(views[n], batcher.policy.batch_yield == "preempt") for n in budgets}
+        self.slots = {n: _slots(views[n]) for n in budgets}
         self.plans: dict[str, list[PendingRequest]] = {}
         self.choices: dict[str, list[DispatchChoice]] = {}
         self.opened: dict[tuple[str, str], list[str]] = {}
@@ -649,13 +659,20 @@ class _Packing:
         pol.observe(node, req)
 
 
-def _slots(n: NodeView, preempt: bool = False) -> float:
+def batch_reserve(policy: BatcherPolicy, max_seqs: int) -> int:
+    """Sequence slots of a node that batch work leaves free (`batch_hold_slots` rounded up with `batch_yield: hold`,
+    `batch_preempt_slots` rounded down with `preempt`): the window's rule and the engine's alike."""
+    if policy.batch_yield == "hold":
+        return math.ceil(policy.batch_hold_slots * max_seqs)
+    return math.floor(policy.batch_preempt_slots * max_seqs)
+
+
+def _slots(n: NodeView) -> float:
     """Sequences a node can still start soon: free running slots plus one (the next one queued), unbounded when the
-    engine does not say how many it runs. `preempt`: its batch sequences' slots count as free (the engine preempts
-    them for an interactive request)."""
+    engine does not say how many it runs."""
     if n.max_seqs <= 0:
         return float("inf")
-    return n.max_seqs + 1 - (n.running + n.waiting - (n.batch_seqs if preempt else 0))
+    return n.max_seqs + 1 - (n.running + n.waiting)
 
 
 def _tenant(p: PendingRequest) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,9 @@ class NodeView:
     memory (the engine preempts them, `batcher.batch_yield: preempt`)."""
     batch_kv_kb: float = 0.0
     """The estimated KV memory those batch sequences hold."""
+    batch_prefill_tokens: int = 0
+    """Of `prefill_tokens`, the batch sequences' (an interactive request's prefill goes first: it does not wait
+    behind them)."""
 
     @property
     def idle(self) -> bool:
@@ -76,4 +79,21 @@ class NodeView:
             self.prefill_tokens + prompt_tokens, self.decode_seqs, self.decode_tokens, self.kv_usage, self.slowdown,
             self.max_seqs, self.prefill_slowdown, self.batch_seqs + batch,
             self.batch_kv_kb + (mem_kb if batch else 0.0),
+            self.batch_prefill_tokens + (prompt_tokens if batch else 0),
         )
+
+    def for_interactive(self, preempt: bool) -> NodeView:
+        """The node as an interactive request sees it: the batch sequences' queued prefill left out (an interactive
+        prefill goes first); with `preempt`, their slots and memory too (the engine preempts them for it): they are
+        taken from the waiting ones first, then from the running ones. Their decoding stays: it slows every
+        iteration whatever the class."""
+        if not self.batch_seqs and not self.batch_prefill_tokens:
+            return self
+        if not preempt:
+            return replace(self, prefill_tokens=max(0, self.prefill_tokens - self.batch_prefill_tokens),
+                           batch_prefill_tokens=0)
+        from_waiting = min(self.waiting, self.batch_seqs)
+        from_running = min(self.running, self.batch_seqs - from_waiting)
+        return replace(self, prefill_tokens=max(0, self.prefill_tokens - self.batch_prefill_tokens),
+                       kv_free_kb=self.kv_free_kb + self.batch_kv_kb, waiting=self.waiting - from_waiting,
+                       running=self.running - from_running, batch_seqs=0, batch_kv_kb=0.0, batch_prefill_tokens=0)

@@ -104,6 +104,7 @@ class SimNode:
         world: NodeWorld | None = None,
         prefix_shares_kv: bool = False,
         preempt_batch: bool = True,
+        batch_reserve: int = 0,
     ) -> None:
         self.name = name
         self.rack = rack
@@ -143,6 +144,9 @@ class SimNode:
         """An interactive sequence that finds no free slot or KV room preempts the newest batch sequence (vLLM's
         priority scheduling); off: it waits for one to end (batch work is only held back upstream)."""
         self.priority_preemptions = 0
+        self.batch_reserve = batch_reserve
+        """Slots a batch sequence leaves free when it is admitted (a preempted one waiting to come back, too):
+        interactive arrivals find them free, and preemption serves only the bursts beyond them."""
         self.prefilling: list[SimSeq] = []
         self.decoding: dict[int, SimSeq] = {}
         self._finish_heap: list[tuple[int, int]] = []
@@ -247,6 +251,13 @@ class SimNode:
             self._wait_interactive(seq)
         self.mem_est_used += seq.mem_est_kb
         self.prefill_backlog += seq.prompt
+
+    def batch_prefill(self) -> int:
+        """Of `prefill_backlog`, the batch sequences' (waiting whole, prefilling the rest): 0 without batch work."""
+        if not self.batch_seqs:
+            return 0
+        return (sum(s.prompt for s in self.waiting if s.priority)
+                + sum(s.prompt - s.prefilled for s in self.prefilling if s.priority))
 
     def _unbatch(self, s: SimSeq) -> None:
         if s.priority:
@@ -392,6 +403,8 @@ class SimNode:
                         pass
             else:
                 q = queued
+            if s.priority and self.running >= self.max_num_seqs - self.batch_reserve:
+                return
             if not (self.running < self.max_num_seqs and (q < budget or not self.running)):
                 return
             # its prompt, its first token, and one more token for each decoding sequence in this iteration

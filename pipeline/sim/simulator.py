@@ -27,7 +27,7 @@ from typing import cast
 
 from pipeline.admission import RATE_WINDOW_S, Admission
 from pipeline.batching.fixed import FixedBatcher
-from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher
+from pipeline.batching.window import CloseReason, PendingRequest, WindowBatcher, batch_reserve
 from pipeline.config import NodeSpec, RackflowConfig
 from pipeline.costmodel.online import SpeedBelief
 from pipeline.events import RequestEvent
@@ -241,7 +241,7 @@ class Simulator:
             else:
                 batcher = WindowBatcher(pol.batcher, policies, caps, models)
             self.racks[rack.name] = _Rack(rack.name, idx, batcher, policies)
-        self._inflight: list[list[float]] = [[0.0, 0.0, 0.0, 0.0, 0.0] for _ in self.nodes]
+        self._inflight: list[list[float]] = [[0.0, 0.0, 0.0, 0.0, 0.0, 0.0] for _ in self.nodes]
         """Per node: the memory, requests and prompt tokens of batches dispatched to it that it has not received yet
         (what the live batcher's ReservationLedger adds to the node's view until its status shows them admitted)."""
         self._views: list[NodeView | None] = [None] * len(self.nodes)
@@ -358,6 +358,7 @@ class Simulator:
             util_bin_ms=self.params.util_bin_ms, preempted=self.preempted,
             prefix_shares_kv=self.params.prefix_shares_kv,
             preempt_batch=self.config.policies.batcher.batch_yield == "preempt",
+            batch_reserve=batch_reserve(self.config.policies.batcher, self.params.max_num_seqs or wp.max_running),
         )
 
     # -- event plumbing --------------------------------------------------------------------------------------------
@@ -388,18 +389,20 @@ class Simulator:
         fl = self._inflight[i]
         f_mem, f_n, f_tok = max(0.0, fl[0]), max(0, int(fl[1])), max(0, int(fl[2]))
         f_b, f_bkb = max(0, int(fl[3])), max(0.0, fl[4])
+        f_bp = (n.batch_prefill() + max(0, int(fl[5]))) if n.batch_seqs or f_b else 0
         v = self._views[i] = NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
             max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
             prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=n.slowdown, max_seqs=n.max_num_seqs,
-            batch_seqs=n.batch_seqs + f_b, batch_kv_kb=n.batch_mem_kb + f_bkb,
+            batch_seqs=n.batch_seqs + f_b, batch_kv_kb=n.batch_mem_kb + f_bkb, batch_prefill_tokens=f_bp,
         ) if self.oracle else NodeView(
             n.name, n.accepting, n.vram_total_gb, n.free_vram_gb(), 0.0, n.avg_step_ms, n.mem_cap_kb,
             max(0.0, n.mem_cap_kb - n.mem_est_used - f_mem), n.running, len(n.waiting) + f_n,
             prefill_tokens=n.prefill_backlog + f_tok, decode_seqs=len(n.decoding), decode_tokens=n.kv_decoding,
             kv_usage=n.kv_usage, slowdown=self.beliefs[i].decode, max_seqs=n.max_num_seqs,
-            prefill_slowdown=self.beliefs[i].prefill, batch_seqs=n.batch_seqs + f_b, batch_kv_kb=n.batch_mem_kb + f_bkb,
+            prefill_slowdown=self.beliefs[i].prefill, batch_seqs=n.batch_seqs + f_b,
+            batch_kv_kb=n.batch_mem_kb + f_bkb, batch_prefill_tokens=f_bp,
         )
         return v
 
@@ -626,6 +629,7 @@ class Simulator:
                 if q.priority:
                     fl[3] += 1
                     fl[4] += q.mem_est_kb
+                    fl[5] += q.prompt
             self._views[i] = None
         self._push(at, BATCH, (i, seqs))
 
@@ -640,6 +644,7 @@ class Simulator:
                 if q.priority:
                     fl[3] -= 1
                     fl[4] -= q.mem_est_kb
+                    fl[5] -= q.prompt
             self._views[i] = None
         if not node.alive:  # it died while the batch was in flight: fail over like its other sequences
             self._migrate(i, seqs, now)

@@ -27,7 +27,7 @@ def test_priority_keeps_interactive_ttft_far_below_fcfs_and_hold_gives_batch_the
     assert res.returncode == 0, res.stderr[-3000:]
     d = json.loads(res.stdout.strip().splitlines()[-1])
     t = d["table"]
-    assert set(t) == {"batch-only", "alone", "preempt", "hold", "no-priority"}
+    assert set(t) == {"saturated", "alone", "preempt", "hold", "no-priority"}
     for key in ("interactive_p99_ttft_ms", "interactive_alone_p99_ttft_ms", "batch_idle_use", "lost", "shed"):
         assert key in d, key
     assert d["interactive_alone_p99_ttft_ms"] == t["alone"]["interactive_p99_ttft_ms"]
@@ -45,7 +45,7 @@ def test_priority_keeps_interactive_ttft_far_below_fcfs_and_hold_gives_batch_the
     # hold never preempts and gives the backlog most of what interactive work leaves idle; preempt preempts
     assert t["hold"]["priority_preemptions"] == 0 and t["hold"]["batch_idle_use"] > 0.6
     assert t["preempt"]["priority_preemptions"] > 0
-    assert t["batch-only"]["batch_idle_use"] == 1.0, "the token capacity is the batch-only run's service"
+    assert t["saturated"]["batch_idle_use"] == 1.0, "the token capacity is the saturated run's service"
     assert (tmp_path / "priority.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "priority.json").read_text())["batch_idle_use"] == d["batch_idle_use"]
 

@@ -224,3 +224,34 @@ def test_a_racks_tenant_counts_merge_its_fresh_batchers_and_skip_stale_or_broken
               b"ts:bad": b"1500", b"batch:b1": b"7", b"batch:b2": b"2"}
     assert tenant_counts(fields, now_ms=2000, stale_ms=1500) == {"acme": 5, "zeta": 1}
     assert pending_tokens(fields, 2000, 1500, "batch") == 9
+
+
+def test_an_interactive_request_sees_past_batch_prefill_and_with_preemption_past_batch_slots() -> None:
+    v = node_view("n1", max_seqs=4, running=3, waiting=2, prefill_tokens=900, kv_free_kb=1e6, batch_seqs=3,
+                  batch_kv_kb=6e6, batch_prefill_tokens=700, decode_seqs=3)
+    held = v.for_interactive(preempt=False)
+    assert (held.prefill_tokens, held.running, held.waiting, held.kv_free_kb) == (200, 3, 2, 1e6)
+    pre = v.for_interactive(preempt=True)
+    # two of the batch sequences were waiting, one ran: the interactive request sees 2 running, none waiting
+    assert (pre.prefill_tokens, pre.running, pre.waiting, pre.kv_free_kb) == (200, 2, 0, 7e6)
+    assert pre.decode_seqs == 3  # their decoding still slows every iteration
+    plain = node_view("n2")
+    assert plain.for_interactive(True) is plain
+
+
+def test_batch_work_leaves_its_reserve_of_slots_free_in_the_window_and_in_the_engine() -> None:
+    from pipeline.batching.window import batch_reserve
+    from tests.unit.builders import batcher_policy
+
+    assert batch_reserve(batcher_policy(), 256) == 25  # preempt: 10 %, rounded down
+    assert batch_reserve(batcher_policy(), 4) == 0  # a node of few slots keeps none
+    assert batch_reserve(batcher_policy(batch_yield="hold"), 4) == 1  # hold: 25 %, rounded up
+    n = node(max_num_seqs=8, batch_reserve=2)
+    for rid in range(10):
+        n.submit(SimSeq(rid, 100, 50, 1.0, priority=BATCH))
+    t = n.schedule(0.0) or 0.0
+    assert n.running == 6 and len(n.waiting) == 4  # two slots left for interactive arrivals
+    n.finish_phase(t)
+    n.submit(SimSeq(99, 100, 5, 1.0))
+    n.schedule(t)
+    assert any(s.rid == 99 for s in n.prefilling) and n.priority_preemptions == 0  # a free slot: no preemption

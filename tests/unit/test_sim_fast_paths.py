@@ -19,11 +19,13 @@ def test_with_placed_is_replace_of_its_three_fields_and_copies_every_other_field
     assert got == want
     b = dataclasses.replace(v, batch_seqs=2, batch_kv_kb=1e6)
     assert b.with_placed(3e6, 512, batch=True) == dataclasses.replace(
-        b, kv_free_kb=2e7 - 3e6, waiting=3, prefill_tokens=1412, batch_seqs=3, batch_kv_kb=4e6)
+        b, kv_free_kb=2e7 - 3e6, waiting=3, prefill_tokens=1412, batch_seqs=3, batch_kv_kb=4e6,
+        batch_prefill_tokens=512)
     assert b.with_placed(3e6, 512) == dataclasses.replace(b, kv_free_kb=2e7 - 3e6, waiting=3, prefill_tokens=1412)
     # a field added to NodeView must be added to with_placed: it builds the view positionally
-    assert ([f.name for f in dataclasses.fields(NodeView)][-1] == "batch_kv_kb"
-            and len(dataclasses.fields(NodeView)) == 19)
+    assert b.with_placed(3e6, 512, batch=True).batch_prefill_tokens == 512
+    assert ([f.name for f in dataclasses.fields(NodeView)][-1] == "batch_prefill_tokens"
+            and len(dataclasses.fields(NodeView)) == 20)
     assert v.with_placed(3e7, 1).kv_free_kb == 0.0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pipeline.batching.window import batch_reserve
 from pipeline.config import RackflowConfig
 from pipeline.costmodel import CalibratedCostModel
 from workers.engines.base import Engine, EngineStats, SeqFinished, StepOutput, TokenOut
@@ -34,6 +35,7 @@ def build_engine(config: RackflowConfig, node: str, engine: str, now_ms: Callabl
             host_cache_blocks=int(host_gb * 1e9 // model.kv_bytes_per_token) // bt,
             world=_sim_world(config, node),
             preempt_batch=config.policies.batcher.batch_yield == "preempt",
+            batch_reserve=batch_reserve(config.policies.batcher, config.policies.worker.max_running),
         )
     if engine == "torch":
         # imported here: torch and transformers load only in workers that run this engine

@@ -105,6 +105,9 @@ class EngineStats:
     swapped_out: int = 0
     """Sequences whose KV the engine moved to a lower tier (L1/L2) to make room."""
     prefill_tokens: int = 0
+    batch_prefill_tokens: int = -1
+    """Of `prefill_tokens`, the batch-class sequences' (-1: the engine does not tell them apart; the worker counts
+    the prompts of its batch sequences that have no token yet)."""
     """Prompt tokens queued and not prefilled yet (waiting sequences' whole prompts, the rest of those prefilling)."""
     decode_seqs: int = 0
     decode_tokens: int = 0

@@ -104,6 +104,7 @@ class SimEngine:
         host_cache_blocks: int = 0,
         world: NodeWorld | None = None,
         preempt_batch: bool = True,
+        batch_reserve: int = 0,
     ) -> None:
         self.cost = cost
         self.zero_time = zero_time
@@ -124,7 +125,7 @@ class SimEngine:
             kv_bytes_per_token=m.kv_bytes_per_token, prefix_block_tokens=prefix_block_tokens,
             host_cache_blocks=host_cache_blocks, host_link_gbps=cost.gpu.pcie_gbps / 2 * cost.tp,
             block_listener=lambda stored, removed: self.block_events.append((stored, removed)),
-            max_stretch_steps=1, world=world, preempt_batch=preempt_batch,
+            max_stretch_steps=1, world=world, preempt_batch=preempt_batch, batch_reserve=batch_reserve,
         )
         self.belief = SpeedBelief()
         """What the node's iterations say of its speed against the cost model (reported as `slowdown` and
@@ -314,6 +315,7 @@ class SimEngine:
             steps=self.steps,
             tokens=self.tokens,
             prefill_tokens=node.prefill_backlog,
+            batch_prefill_tokens=node.batch_prefill(),
             decode_seqs=len(node.decoding),
             decode_tokens=node.kv_decoding,
             kv_usage=node.kv_usage,

@@ -163,10 +163,10 @@ class Batcher:
                         )) for c in plan.choices),
                     )
                     sent += 1
-                    batch_class = [p.request.mem_est_kb for p in plan.requests if p.request.priority]
+                    batch_class = [p.request for p in plan.requests if p.request.priority]
                     self.ledger.record(plan.node, entry_id, plan.mem_est_kb, len(plan.requests),
                                        sum(p.request.in_tokens for p in plan.requests), len(batch_class),
-                                       sum(batch_class))
+                                       sum(r.mem_est_kb for r in batch_class), sum(r.in_tokens for r in batch_class))
                     self._to_ack.extend(p.entry_id for p in plan.requests)  # acked after the plans (next tick if not)
                     self.batches += 1
                     self.dispatched += len(plan.requests)

@@ -709,6 +709,8 @@ class Worker:
             kv_capacity_kb = self.config.node_kv_capacity_kb(self.node)
             kv_used_kb = sum(live.req.mem_est_kb for live in self.live.values())
         batch = [live.req.mem_est_kb for live in self.live.values() if live.req.priority]
+        batch_prefill = s.batch_prefill_tokens if s.batch_prefill_tokens >= 0 else sum(
+            live.req.in_tokens for live in self.live.values() if live.req.priority and not live.text)
         return HealthEvent(
             node=self.node,
             rack=self.rack,
@@ -737,6 +739,7 @@ class Worker:
             next_ms=self._beat_ms,
             batch_seqs=len(batch),
             batch_kv_kb=sum(batch),
+            batch_prefill_tokens=batch_prefill,
         )
 
     async def publish_status(self) -> None:

@@ -487,7 +487,7 @@ BACKLOG_AT = 0.25
 """`priority`: the batch backlog arrives this far into the interactive trace's span."""
 BACKLOG_OVER = 1.2
 """`priority`: the backlog holds this many times the requests the cluster completes at capacity in the rest of the
-interactive trace: it outlasts the trace in every run, the batch-only one included (`saturated` says whether it
+interactive trace: it outlasts the trace in every run, the saturated one included (`saturated` says whether it
 did)."""
 BATCH_TENANT = "batch-job"
 BATCH_USERS = 64
@@ -534,8 +534,9 @@ def _scaled(reqs: list[TraceRequest], rps: float, tenant: str) -> list[TraceRequ
 def priority(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # 1. the interactive trace (the first --requests Azure conversation requests) at PRIORITY_LOAD of the rack's
     #    capacity on it, measured as the matrix does; 2. the backlog: requests drawn (with replacement) from the whole
-    #    trace's lengths, all arriving at BACKLOG_AT of the span; 3. the batch-only run of the backlog measures the
-    #    rack's token capacity over the backlog period [arrival of the backlog, last interactive arrival]
+    #    trace's lengths, all arriving at BACKLOG_AT of the span; 3. the backlog alone, run as interactive requests
+    #    (every slot theirs), measures the rack's token capacity over the backlog period [arrival of the backlog,
+    #    last interactive arrival]
     seed = args.seed
     cfg = _config(args, _class_rack(), "work_aware", seed)
     raw = _azure(args.requests or PRIORITY_REQUESTS, 1.0, seed)
@@ -555,7 +556,7 @@ def priority(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         return sorted(inter + backlog(cls), key=lambda r: r.arrival_ms)  # stable: the trace's order at equal times
 
     runs: dict[str, tuple[list[TraceRequest], dict[str, Any]]] = {
-        "batch-only": (backlog(BATCH), {}),
+        "saturated": (backlog(INTERACTIVE), {}),
         "alone": (inter, {}),
         "preempt": (merged(BATCH), {"batch_yield": "preempt"}),
         "hold": (merged(BATCH), {"batch_yield": "hold"}),
@@ -567,7 +568,7 @@ def priority(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         run_cfg = _config(args, _class_rack(), "work_aware", seed, batcher)
         row, results[name] = run_once(run_cfg, reqs, _params(), [], CLASS_MODEL, not args.no_progress, label=name)
         table[name] = {k: row[k] for k in ("requests", "shed", "sim_wall_s", "simulated_s")}
-    cap_tokens = served_tokens(results["batch-only"], range(count), at, end)
+    cap_tokens = served_tokens(results["saturated"], range(count), at, end)
     for name, res in results.items():
         table[name] |= _priority_row(res, at, end, cap_tokens)
     alone = table["alone"]["interactive_p99_ttft_ms"]
@@ -675,7 +676,7 @@ def _priority_text(setup: dict[str, Any], table: dict[str, dict[str, Any]]) -> s
     head = (f"{setup['cluster']}; capacity {setup['capacity_rps']} req/s (flood); interactive: "
             f"{setup['interactive_requests']} requests at {setup['interactive_rps']} req/s over "
             f"{setup['interactive_span_s']} s; backlog: {setup['backlog_requests']} batch requests at "
-            f"{setup['backlog_at_s']:.0f} s; token capacity {setup['token_capacity_per_s']:,} tokens/s (batch-only "
+            f"{setup['backlog_at_s']:.0f} s; token capacity {setup['token_capacity_per_s']:,} tokens/s (saturated "
             f"run) over the {setup['backlog_period_s']} s backlog period")
     return head + "\n" + format_table(table, PRIORITY_KEYS)
 
@@ -699,13 +700,13 @@ def _plot_priority(results: dict[str, SimResult], at: float, end: float, path: P
         if batch:
             tok = service_bins(res, batch, 0.0, BIN_MS, bins)
             ax2.plot(mids, [t * 1000.0 / BIN_MS for t in tok], label=name, linestyle="--" if not inter else "-")
-    if "batch-only" in results and "alone" in results:  # what the backlog could use: capacity less interactive work
-        full = service_bins(results["batch-only"], range(len(results["batch-only"].arrival)), 0.0, BIN_MS, bins)
+    if "saturated" in results and "alone" in results:  # what the backlog could use: capacity less interactive work
+        full = service_bins(results["saturated"], range(len(results["saturated"].arrival)), 0.0, BIN_MS, bins)
         alone = service_bins(results["alone"], range(len(results["alone"].arrival)), 0.0, BIN_MS, bins)
         idle = [(m, max(0.0, c - a) * 1000.0 / BIN_MS) for m, c, a in zip(mids, full, alone, strict=True)
                 if at / 1000.0 <= m <= end / 1000.0]
         ax2.plot([m for m, _ in idle], [v for _, v in idle], color="k", linewidth=2.5, alpha=0.4,
-                 label="idle capacity (batch-only less interactive alone)")
+                 label="idle capacity (saturated less interactive alone)")
     for ax in (ax1, ax2):
         ax.axvline(at / 1000.0, color="k", linestyle=":", label="backlog arrives")
         ax.axvline(end / 1000.0, color="grey", linestyle=":", label="last interactive arrival")

@@ -68,6 +68,7 @@ def node_view_from_status(
         prefill_slowdown=status.prefill_slowdown if status.prefill_slowdown > 0 else None,
         batch_seqs=status.batch_seqs,
         batch_kv_kb=status.batch_kv_kb,
+        batch_prefill_tokens=status.batch_prefill_tokens,
     )
 
 
