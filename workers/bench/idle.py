@@ -24,8 +24,8 @@ from tqdm import tqdm
 from pipeline.config import RackflowConfig
 from workers.bench.gateway import process_cpu_s, wait_http_ready
 
-APART = ("celery", "flower")
-"""Roles reported apart from `idle_cpu_pct`: the Celery worker and Flower."""
+APART = ("celery", "celery-jobs", "flower")
+"""Roles reported apart from `idle_cpu_pct`: the Celery workers (control; jobs and batches) and Flower."""
 
 
 def _process_tree() -> dict[int, list[int]]:
