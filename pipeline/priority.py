@@ -16,8 +16,8 @@ Within a class, requests are served in virtual-token-counter order (Sheng et al.
 Language Models", OSDI '24): each tenant has a counter of the service it received (prompt tokens weighted
 `w_in`, generated tokens `w_out`); the next request comes from the waiting tenant with the smallest counter; a
 tenant that comes back after waiting nothing is lifted to the smallest counter of the tenants waiting, so idle time
-earns no credit. The counter is charged with the expected output length when a request is placed and corrected to
-the true length when its result is seen (`settle`).
+earns no credit. The counter is charged with the output length the gateway expects when a request is placed (the
+batchers do not see results; the expectation is the user's own output-length history, pipeline/profiling.py).
 """
 
 from __future__ import annotations
@@ -90,11 +90,6 @@ class VirtualTokenCounter:
 
     def charge(self, tenant: str, in_tokens: int, out_tokens: int) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + self.cost(in_tokens, out_tokens)
-
-    def settle(self, tenant: str, expected_out: int, actual_out: int) -> None:
-        """A request charged with `expected_out` generated tokens produced `actual_out`: correct its tenant."""
-        if tenant in self.counters and expected_out != actual_out:
-            self.counters[tenant] += self.w_out * (actual_out - expected_out)
 
     def lift(self, tenant: str, floor: float) -> None:
         """A tenant back after waiting nothing starts at `floor` (the least counter of those waiting), never below

@@ -45,6 +45,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,6 +332,30 @@ def _overlay(batch_yield: str, fair: bool) -> dict[str, Any]:
     return over
 
 
+def _on_cluster(prefix: str, over: dict[str, Any], redis_url: str | None, etcd_url: str | None,
+                body: Callable[[_Load], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Start the bench's cluster (`over` on CLUSTER), run `body` with its load generator, stop everything."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        procs = valkey = etcd = None
+        try:
+            config, procs, valkey, etcd, redis_url, etcd_url = _cluster(Path(tmp), over, redis_url, etcd_url)
+
+            async def main() -> dict[str, Any]:
+                load = _Load(config, redis_url)
+                await load.start()
+                try:
+                    out = await body(load)
+                    await load.drain(180)
+                    return {**out, "lost": _lost(load.run), "admitted": len(load.run.admitted),
+                            "shed": dict(load.run.shed), "errors": dict(load.run.errors)}
+                finally:
+                    await load.close()
+
+            return asyncio.run(main())
+        finally:
+            _stop(procs, valkey, etcd)
+
+
 async def _capacity(load: _Load, depth: int, ramp_s: float, capacity_s: float) -> tuple[float, float]:
     """The cluster saturated with interactive requests of the bench's shape, `depth` kept outstanding (the engines'
     queues never empty): (requests/s, generated tokens/s) completed in `capacity_s` after `ramp_s`."""
@@ -355,34 +380,20 @@ def bench_priority(redis_url: str | None = None, etcd_url: str | None = None, *,
     """The priority bench described in this module's docstring; returns the report (JSON-ready)."""
     runs: list[dict[str, Any]] = []
     bar = tqdm(total=repeats * 3 + 1, desc="bench priority", unit="phase", disable=not progress, file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="rackflow-priority-") as tmp:
-        procs = valkey = etcd = None
-        try:
-            config, procs, valkey, etcd, redis_url, etcd_url = _cluster(Path(tmp), _overlay(batch_yield, True),
-                                                                        redis_url, etcd_url)
 
-            async def main() -> dict[str, Any]:
-                load = _Load(config, redis_url)
-                await load.start()
-                try:
-                    cap_rps, _ = await _capacity(load, backlog, ramp_s * 2, capacity_s)
-                    bar.update(1)
-                    rate = load_frac * cap_rps
-                    bar.set_postfix_str(f"capacity {cap_rps:.1f} req/s, interactive at {rate:.1f} req/s")
-                    for k in range(repeats):
-                        runs.append(await _one_repeat(load, rate, phase_s, backlog, ramp_s, capacity_s,
-                                                      seed + k, bar))
-                    await load.drain(180)
-                    return {"capacity_rps": round(cap_rps, 2), "interactive_rps": round(rate, 2),
-                            "lost": _lost(load.run), "admitted": len(load.run.admitted),
-                            "shed": dict(load.run.shed), "errors": dict(load.run.errors)}
-                finally:
-                    await load.close()
+    async def body(load: _Load) -> dict[str, Any]:
+        cap_rps, _ = await _capacity(load, backlog, ramp_s * 2, capacity_s)
+        bar.update(1)
+        rate = load_frac * cap_rps
+        bar.set_postfix_str(f"capacity {cap_rps:.1f} req/s, interactive at {rate:.1f} req/s")
+        for k in range(repeats):
+            runs.append(await _one_repeat(load, rate, phase_s, backlog, ramp_s, capacity_s, seed + k, bar))
+        return {"capacity_rps": round(cap_rps, 2), "interactive_rps": round(rate, 2)}
 
-            totals = asyncio.run(main())
-        finally:
-            bar.close()
-            _stop(procs, valkey, etcd)
+    try:
+        totals = _on_cluster("rackflow-priority-", _overlay(batch_yield, True), redis_url, etcd_url, body)
+    finally:
+        bar.close()
 
     def med(key: str) -> float:
         return round(statistics.median(r[key] for r in runs), 3)
@@ -466,38 +477,25 @@ def bench_fairness(redis_url: str | None = None, etcd_url: str | None = None, *,
     """The fairness bench described in this module's docstring; returns the report (JSON-ready)."""
     runs: list[dict[str, Any]] = []
     bar = tqdm(total=repeats + 1, desc="bench fairness", unit="run", disable=not progress, file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="rackflow-fairness-") as tmp:
-        procs = valkey = etcd = None
-        try:
-            config, procs, valkey, etcd, redis_url, etcd_url = _cluster(Path(tmp), _overlay("preempt", fair),
-                                                                        redis_url, etcd_url)
 
-            async def main() -> dict[str, Any]:
-                load = _Load(config, redis_url)
-                await load.start()
-                try:
-                    cap_rps, _ = await _capacity(load, backlog, ramp_s * 2, capacity_s)
-                    bar.update(1)
-                    bar.set_postfix_str(f"capacity {cap_rps:.1f} req/s")
-                    for k in range(repeats):
-                        t0 = WALL.now_ms()
-                        a = load.open_loop(INTERACTIVE, "heavy", heavy * cap_rps, fair_s, seed * 1000 + 2 * k)
-                        b = load.open_loop(INTERACTIVE, "light", light * cap_rps, fair_s, seed * 1000 + 2 * k + 1,
-                                           base=10**6)
-                        await asyncio.gather(a, b)
-                        await load.drain(120)
-                        runs.append(_shares(load.run, t0 + warmup_s * 1000, t0 + fair_s * 1000))
-                        bar.update(1)
-                    return {"capacity_rps": round(cap_rps, 2), "lost": _lost(load.run),
-                            "admitted": len(load.run.admitted), "shed": dict(load.run.shed),
-                            "errors": dict(load.run.errors)}
-                finally:
-                    await load.close()
+    async def body(load: _Load) -> dict[str, Any]:
+        cap_rps, _ = await _capacity(load, backlog, ramp_s * 2, capacity_s)
+        bar.update(1)
+        bar.set_postfix_str(f"capacity {cap_rps:.1f} req/s")
+        for k in range(repeats):
+            t0 = WALL.now_ms()
+            a = load.open_loop(INTERACTIVE, "heavy", heavy * cap_rps, fair_s, seed * 1000 + 2 * k)
+            b = load.open_loop(INTERACTIVE, "light", light * cap_rps, fair_s, seed * 1000 + 2 * k + 1, base=10**6)
+            await asyncio.gather(a, b)
+            await load.drain(120)
+            runs.append(_shares(load.run, t0 + warmup_s * 1000, t0 + fair_s * 1000))
+            bar.update(1)
+        return {"capacity_rps": round(cap_rps, 2)}
 
-            totals = asyncio.run(main())
-        finally:
-            bar.close()
-            _stop(procs, valkey, etcd)
+    try:
+        totals = _on_cluster("rackflow-fairness-", _overlay("preempt", fair), redis_url, etcd_url, body)
+    finally:
+        bar.close()
     errs = [r["max_share_error"] for r in runs]
     return {
         "max_share_error": round(statistics.median(errs), 4),
