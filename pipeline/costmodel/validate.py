@@ -37,12 +37,32 @@ from pipeline.costmodel.calibration import (
     fit,
     predict_op_ms,
 )
-from pipeline.costmodel.operators import ACT_BYTES, LAYER_OPS, PROFILED_OPS, LayerShape
+from pipeline.costmodel.operators import ACT_BYTES, LAYER_OPS, LINEAR_OPS, PROFILED_OPS, LayerShape
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 """Decode batch sizes (tokens of one decode step) scored by `decode_step`."""
 DECODE_ERROR_TARGET = 0.15
 OP_ERROR_TARGET = 0.10
+P90_OP_ERROR_TARGET = 0.15
+
+
+def op_class(op: str) -> str:
+    """The operator's class in the report: matrix products, element-wise kernels, the embedding, all-reduce."""
+    if op in LINEAR_OPS:
+        return "gemm"
+    if op == "emb":
+        return "embedding"
+    if op == "all_reduce":
+        return "all_reduce"
+    return "elementwise"
+
+
+def _summary(errs: Sequence[float]) -> dict[str, Any]:
+    """Median, p90 and worst of a set of relative errors (and how many)."""
+    if not errs:
+        return {"rows": 0, "median": None, "p90": None, "worst": None}
+    return {"rows": len(errs), "median": round(float(np.median(errs)), 4),
+            "p90": round(float(np.percentile(errs, 90)), 4), "worst": round(float(np.max(errs)), 4)}
 
 
 def _message_range(rows: Sequence[ProfileRow]) -> tuple[float, float]:
@@ -51,10 +71,24 @@ def _message_range(rows: Sequence[ProfileRow]) -> tuple[float, float]:
     return float(min(sizes)), float(max(sizes))
 
 
+def split_sizes(net: Sequence[AllReduceRow]) -> tuple[list[AllReduceRow], list[AllReduceRow]]:
+    """The all-reduce measurements split in two by message size: per (device, group size, placement), the sizes
+    measured, in order, alternate between the fit half and the held-out half (the profile measures each size
+    once, on a grid of 8 KiB steps). A table is built from the fit half only and scored on the held-out half only,
+    so no point it was fitted on scores it, wherever the two models' message ranges overlap."""
+    by: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+    for n in net:
+        by[(n.device, n.num_workers, n.devices_per_node)].append(n.size_bytes)
+    fit_sizes = {k: set(sorted(set(v))[0::2]) for k, v in by.items()}
+    fit_half = [n for n in net if n.size_bytes in fit_sizes[(n.device, n.num_workers, n.devices_per_node)]]
+    held = [n for n in net if n.size_bytes not in fit_sizes[(n.device, n.num_workers, n.devices_per_node)]]
+    return fit_half, held
+
+
 def _tables(net: Sequence[AllReduceRow], devices: Mapping[str, GpuSpec], lo: float, hi: float
             ) -> dict[str, dict[int, Any]]:
     """Per architecture and group size, the all-reduce table built (as `fit` builds it: densest placement) from
-    the measurements whose message lies in [lo, hi] only."""
+    the measurements (the fit half of `split_sizes`) whose message lies in [lo, hi] only."""
     out: dict[str, dict[int, Any]] = defaultdict(dict)
     by: dict[tuple[str, int], list[AllReduceRow]] = defaultdict(list)
     for n in net:
@@ -75,13 +109,14 @@ def _densest(net: Sequence[AllReduceRow], devices: Mapping[str, GpuSpec]) -> dic
 
 
 def _measured_all_reduce_ms(raw: Sequence[AllReduceRow], size: float) -> float | None:
-    """Measured time at `size`: the median of the raw rows at the nearest measured size (within 25%)."""
-    if not raw:
+    """Measured time at `size`: the median of the (held-out) measurements within 25% of it. The profile times each
+    size once, and one measurement of a 10-100 us collective scatters by +-40% (neighbouring sizes 8 KiB apart
+    read 0.020 and 0.038 ms), which 2 x layers all-reduces per step multiply: the decode step's reference takes the
+    local median, as a measurement repeated would. None when no measurement lies that near."""
+    near = [r.time_ms for r in raw if abs(math.log(r.size_bytes / size)) <= math.log(1.25)]
+    if not near:
         return None
-    near = min({r.size_bytes for r in raw}, key=lambda s: abs(math.log(s / size)))
-    if abs(math.log(near / size)) > math.log(1.25):
-        return None
-    return float(np.median([r.time_ms for r in raw if r.size_bytes == near]))
+    return float(np.median(near))
 
 
 def decode_attention_ms(shape: LayerShape, tp: int, kv_tokens: float, gpu: GpuSpec, eff_memory: float,
@@ -130,10 +165,13 @@ def held_out(rows: Iterable[ProfileRow], all_reduce: Iterable[AllReduceRow], dev
         if len(models) < 2:
             raise ValueError(f"held-out validation needs two profiled models, got {models}")
         pairs = [(a, b) for a in models for b in models if a != b]
-    raw = _densest(net, devices)
+    fit_net, held_net = split_sizes(net)
+    raw = _densest(held_net, devices)
     directions: list[dict[str, Any]] = []
     op_medians: list[float] = []
     decode_errors: list[float] = []
+    pooled: dict[str, list[float]] = defaultdict(list)
+    """Per operator class, every held-out point's error (the pooled percentiles)."""
     for train, test in pairs:
         trows = [r for r in rows if r.model == train]
         hrows = [r for r in rows if r.model == test]
@@ -141,7 +179,7 @@ def held_out(rows: Iterable[ProfileRow], all_reduce: Iterable[AllReduceRow], dev
             raise ValueError(f"no profile rows of {train if not trows else test}; models: {models}")
         cal = fit(trows, [], devices)
         lo, hi = _message_range(trows)
-        tables = _tables(net, devices, lo, hi)
+        tables = _tables(fit_net, devices, lo, hi)
         cal = Calibration({arch: ArchCalibration(a.devices, a.ops, tables.get(arch, {}))
                            for arch, a in cal.archs.items()})
         tlo, thi = _message_range(hrows)
@@ -154,8 +192,8 @@ def held_out(rows: Iterable[ProfileRow], all_reduce: Iterable[AllReduceRow], dev
             for op in PROFILED_OPS:
                 errs = [abs(predict_op_ms(cal, op, r, devices[r.device]) - r.times_ms[op]) / r.times_ms[op]
                         for r in arows if r.times_ms.get(op, 0.0) > 0]
-                ops[op] = {"rows": len(errs), "median": round(float(np.median(errs)), 4),
-                           "p90": round(float(np.percentile(errs, 90)), 4)}
+                ops[op] = _summary(errs)
+                pooled[op_class(op)].extend(errs)
             ar_errs = []
             for (a, w), rr in raw.items():
                 if a != arch or w not in cal.archs[arch].all_reduce:
@@ -164,8 +202,8 @@ def held_out(rows: Iterable[ProfileRow], all_reduce: Iterable[AllReduceRow], dev
                     if tlo <= n.size_bytes <= thi and n.time_ms > 0:
                         ar_errs.append(abs(cal.archs[arch].all_reduce_ms(n.size_bytes, w) - n.time_ms) / n.time_ms)
             if ar_errs:
-                ops["all_reduce"] = {"rows": len(ar_errs), "median": round(float(np.median(ar_errs)), 4),
-                                     "p90": round(float(np.percentile(ar_errs, 90)), 4)}
+                ops["all_reduce"] = _summary(ar_errs)
+                pooled["all_reduce"].extend(ar_errs)
             ops["attn_decode"] = {"rows": 0, "median": None, "p90": None, "checked": False,
                                   "note": "no attention times in the shipped profiles; memory-bound KV-read "
                                           "roofline (decode_attention_ms), not scored"}
@@ -177,6 +215,8 @@ def held_out(rows: Iterable[ProfileRow], all_reduce: Iterable[AllReduceRow], dev
                            "all_reduce_fit_bytes": [lo, hi], "all_reduce_test_bytes": [tlo, thi],
                            "archs": per_arch})
     median_op = float(np.median(op_medians))
+    every = [e for v in pooled.values() for e in v]
+    p90_op = float(np.percentile(every, 90))
     dec_med = float(np.median(decode_errors)) if decode_errors else math.nan
     dec_max = float(np.max(decode_errors)) if decode_errors else math.nan
     dec_p90 = float(np.percentile(decode_errors, 90)) if decode_errors else math.nan
@@ -184,10 +224,17 @@ def held_out(rows: Iterable[ProfileRow], all_reduce: Iterable[AllReduceRow], dev
     return {
         "median_op_error": round(median_op, 4),
         "op_error_target": OP_ERROR_TARGET,
+        "p90_op_error": round(p90_op, 4),
+        "p90_op_error_target": P90_OP_ERROR_TARGET,
+        "decode_p90_error": round(dec_p90, 4),
+        "per_class": {**{c: _summary(v) for c, v in sorted(pooled.items())},
+                      "decode_step": _summary(decode_errors)},
+        "all_reduce_split": {"fit_points": len(fit_net), "held_out_points": len(held_net),
+                             "rule": "sizes alternate between the fit half and the held-out half"},
         "decode_per_token_error": {"median": round(dec_med, 4), "p90": round(dec_p90, 4),
                                    "max": round(dec_max, 4), "within_target": round(within, 4),
                                    "points": len(decode_errors), "target": DECODE_ERROR_TARGET},
         "fit_test": [[a, b] for a, b in pairs],
         "per_operator": directions,
-        "ok": median_op <= OP_ERROR_TARGET and dec_med <= DECODE_ERROR_TARGET,
+        "ok": median_op <= OP_ERROR_TARGET and p90_op <= P90_OP_ERROR_TARGET and dec_p90 <= DECODE_ERROR_TARGET,
     }

@@ -105,6 +105,20 @@ class ControlPlaneCosts:
     """Shards the per-rack / per-node / per-request streams spread over (the global streams stay on one)."""
     token_flush_ms: float = 50.0
     """`worker.token_flush_ms`: a decoding sequence's tokens go out as one XADD per interval."""
+    fabric: bool = True
+    """Model the shared fabric: each node's outbound and inbound link, and each rack's uplink to the spine, as
+    stations. A migration's KV crosses the source node's outbound link, and between racks both racks' uplinks, and
+    the target's inbound link, which host-tier prefix loads share (False: only the source node's link, as before)."""
+    spine_oversubscription: float = 1.0
+    """A rack's uplink carries its nodes' links divided by this (1: a non-blocking fat tree; 4: 4:1). 0: no spine
+    modelled."""
+    record_flush_ms: float = 20.0
+    """The workers' sequence records on etcd (`SeqRecorder`): a claim when a sequence arrives and a release when it
+    ends, coalesced per node for this long and written as one transaction, one in flight per node. They share the
+    etcd station with the migrations' ownership moves. 0: not modelled."""
+    etcd_record_ms: float = 0.0
+    """Service time of one record transaction on the etcd station (0: `etcd_txn_ms`, the measured ownership move:
+    a batched put/delete transaction was not measured apart)."""
 
     @property
     def ingress_global_ms(self) -> float:
@@ -115,6 +129,10 @@ class ControlPlaneCosts:
     def result_global_ms(self) -> float:
         return self.xadd_ms + self.read_ms
 
+    @property
+    def record_ms(self) -> float:
+        return self.etcd_record_ms if self.etcd_record_ms > 0 else self.etcd_txn_ms
+
     def router_capacity_rps(self) -> float:
         return self.routers * 1000.0 / self.router_ms
 
@@ -124,14 +142,16 @@ class ControlPlaneCosts:
 
     @classmethod
     def from_calibration(cls, cal: Mapping[str, Any], *, routers: int = 1, batchers_per_rack: int = 1,
-                         valkey_shards: int = 1, token_flush_ms: float = 50.0) -> ControlPlaneCosts:
+                         valkey_shards: int = 1, token_flush_ms: float = 50.0, fabric: bool = True,
+                         spine_oversubscription: float = 1.0, record_flush_ms: float = 20.0) -> ControlPlaneCosts:
         d = cal["derived"]
         return cls(
             router_ms=float(d["router_ms_per_decision"]), batcher_ms=float(d["batcher_ms_per_request"]),
             xadd_ms=float(d["valkey_xadd_ms"]), read_ms=float(d["valkey_read_ack_ms"]),
             etcd_txn_ms=float(d["etcd_txn_ms"]), etcd_concurrency=int(d["etcd_concurrency"]),
             node_link_gbps=float(d["node_link_gbps"]), routers=routers, batchers_per_rack=batchers_per_rack,
-            valkey_shards=valkey_shards, token_flush_ms=token_flush_ms,
+            valkey_shards=valkey_shards, token_flush_ms=token_flush_ms, fabric=fabric,
+            spine_oversubscription=spine_oversubscription, record_flush_ms=record_flush_ms,
         )
 
 

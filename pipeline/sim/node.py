@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.kv.prefix_cache import BlockListener, PrefixCache
+from pipeline.sim.control_plane import Station
 from pipeline.sim.world import NodeWorld
 
 
@@ -130,6 +131,10 @@ class SimNode:
         blocks. Off: the GPU tier holds the node's whole KV capacity in cached blocks besides the sequences."""
         self.host_ms_per_token = kv_bytes_per_token / (host_link_gbps * 1e6) if host_link_gbps > 0 else 0.0
         """Time to load one token's KV back from host memory (bytes / link bandwidth), ms."""
+        self.host_link: Station | None = None
+        """With the fabric modelled (`--control-plane`): the node's inbound link as a station that host-tier loads
+        share with the KV of sequences migrating to this node (the GPU's PCIe, which its NIC hangs off too): a load
+        waits behind a migration's transfer, and the other way round. None: the load takes its own time alone."""
         self.prefill_backlog = 0
         """Prompt tokens queued here and not prefilled yet (NodeView.prefill_tokens)."""
         self.slowdown = 1.0
@@ -505,7 +510,9 @@ class SimNode:
                     chunks.append((s, c))
                     budget -= c
                     if s.host_tokens:  # its host-tier blocks come back over the link before its first chunk runs
-                        load_ms += s.host_tokens * self.host_ms_per_token
+                        ms = s.host_tokens * self.host_ms_per_token
+                        link = self.host_link
+                        load_ms += ms if link is None else link.serve(now, ms) - now
                         s.host_tokens = 0
             model_ms = self.cost.step_ms(
                 [c for _, c in chunks], len(self.decoding), self.kv_decoding, [s.prefilled for s, _ in chunks]

@@ -322,8 +322,31 @@ class Simulator:
             self._st_spread = Station(cp.valkey_shards)
             self._st_etcd = Station(cp.etcd_concurrency)
             self._links: dict[int, Station] = {}
+            """Per node, its outbound link (a migration's KV leaves over it)."""
+            self._links_in: dict[int, Station] = {}
+            """Per node, its inbound link, shared with its host-tier loads (SimNode.host_link)."""
+            self._uplinks: dict[tuple[str, bool], Station] = {}
+            """Per (rack, outbound): the rack's uplink to the spine, one station per direction."""
+            self._rack_gbps: dict[str, float] = {}
             for r in self.racks.values():
                 r.station = Station(cp.batchers_per_rack)
+                if cp.spine_oversubscription > 0:
+                    self._rack_gbps[r.name] = len(r.nodes) * cp.node_link_gbps / cp.spine_oversubscription
+            if cp.fabric:
+                for i, node in enumerate(self.nodes):
+                    node.host_link = self._links_in[i] = Station(1)
+            n_nodes = len(self.nodes)
+            self._rec_issue = [-math.inf] * n_nodes
+            """Per node, when its recorder's next transaction goes to etcd (the changes before it ride on it)."""
+            self._rec_fin = [-math.inf] * n_nodes
+            """Per node, when that transaction is committed."""
+            self._rec_txns = 0
+            self._rec_changes = 0
+            self._rec_lag_sum = 0.0
+            self._rec_lag_max = 0.0
+            self._xfers = 0
+            self._xfers_cross = 0
+            self._xfer_bytes = 0.0
 
     def _make_node(self, spec: NodeSpec, rack: str, cost: StepCost) -> SimNode:
         gpu = self.config.gpus[spec.gpu]
@@ -653,6 +676,9 @@ class Simulator:
             self.node_of[s.rid] = i
             node.submit(s)
         self._views[i] = None
+        cp = self._cp
+        if cp is not None and cp.record_flush_ms > 0:
+            self._record(i, now, len(seqs))
         if node.phase is None:
             self._schedule_node(i, now)
         elif node.advance_to(now):
@@ -703,6 +729,8 @@ class Simulator:
                 self._first_done = f.finish_ms
             self._done_at.append(f.finish_ms)
             self._rack_load(rack, -1)
+        if cp is not None and res.finished and cp.record_flush_ms > 0:  # the releases
+            self._record(i, now, len(res.finished))
         self._schedule_node(i, now)
         if rack.batcher.pending_count and (res.freed or node.prefill_backlog < self._horizon):
             self._try_close(rack, now)
@@ -755,13 +783,54 @@ class Simulator:
             if cp is None:
                 self._send(now + self.params.migration_latency_ms, dst, [s])
                 continue
-            # the ownership compare-and-swap on etcd, then the sequence's KV over the source node's link
+            # the ownership compare-and-swap on etcd, then the sequence's KV over the fabric
             t = self._st_etcd.serve(now, cp.etcd_txn_ms)
-            link = self._links.get(src)
-            if link is None:
-                link = self._links[src] = Station(1)
             kv = s.prompt * self.config.models[self.reqs[s.rid].model or self.default_model].kv_bytes_per_token
-            self._send(link.serve(t, kv / (cp.node_link_gbps * 1e6)), dst, [s])
+            self._send(self._transfer(src, dst, t, kv), dst, [s])
+
+    def _transfer(self, src: int, dst: int, t: float, nbytes: float) -> float:
+        """When `nbytes` of KV sent at `t` from node `src` have reached node `dst`: cut-through over each link of the
+        path (the source's outbound link; between racks, the source rack's uplink out and the target rack's uplink
+        in; the target's inbound link, shared with its host-tier loads), each a FIFO station at its bandwidth; the
+        transfer is done when its slowest hop is."""
+        cp = self._cp
+        assert cp is not None
+        link = self._links.get(src)
+        if link is None:
+            link = self._links[src] = Station(1)
+        done = link.serve(t, nbytes / (cp.node_link_gbps * 1e6))
+        self._xfers += 1
+        self._xfer_bytes += nbytes
+        if not cp.fabric:
+            return done
+        a, b = self.nodes[src].rack, self.nodes[dst].rack
+        if a != b:
+            self._xfers_cross += 1
+        if a != b and self._rack_gbps:
+            for rack, out in ((a, True), (b, False)):
+                up = self._uplinks.get((rack, out))
+                if up is None:
+                    up = self._uplinks[(rack, out)] = Station(1)
+                done = max(done, up.serve(t, nbytes / (self._rack_gbps[rack] * 1e6)))
+        return max(done, self._links_in[dst].serve(t, nbytes / (cp.node_link_gbps * 1e6)))
+
+    def _record(self, i: int, now: float, changes: int) -> None:
+        """`changes` sequence records (claims or releases) of node `i` to write at `now`, as the worker's
+        `SeqRecorder` does: it wakes, waits `record_flush_ms` for more, and writes them all in one etcd transaction;
+        while one is in flight the next waits for it. Changes before the next transaction's start ride on it. No
+        event is needed: the transaction's start and commit are known when its first change comes."""
+        cp = self._cp
+        assert cp is not None
+        if now > self._rec_issue[i]:  # no transaction pending: the next starts after the one in flight
+            fin = self._rec_fin[i]
+            self._rec_issue[i] = issue = (now if now > fin else fin) + cp.record_flush_ms
+            self._rec_fin[i] = self._st_etcd.serve(issue, cp.record_ms)
+            self._rec_txns += 1
+        lag = self._rec_fin[i] - now
+        self._rec_changes += changes
+        self._rec_lag_sum += lag * changes
+        if lag > self._rec_lag_max:
+            self._rec_lag_max = lag
 
     def _fault(self, f: Fault, now: float) -> None:
         i = self.node_index.get(f.node)
@@ -891,6 +960,22 @@ class Simulator:
         if racks:
             worst = max(racks, key=lambda x: x["utilisation"])
             out["batcher_busiest_rack"] = worst
+        cp = self._cp
+        out["etcd_records"] = {
+            "transactions": float(self._rec_txns), "changes": float(self._rec_changes),
+            "mean_lag_ms": round(self._rec_lag_sum / self._rec_changes, 3) if self._rec_changes else 0.0,
+            "max_lag_ms": round(self._rec_lag_max, 3)}
+        for name, stations in (("node_link_out_busiest", list(self._links.values())),
+                               ("node_link_in_busiest", [st for st in self._links_in.values() if st.busy_ms > 0]),
+                               ("rack_uplink_busiest", list(self._uplinks.values()))):
+            reps = [st.report(span) for st in stations]
+            if reps:
+                out[name] = max(reps, key=lambda x: x["utilisation"])
+        if cp.fabric:
+            waited = sum(st.wait_ms for st in self._links_in.values())
+            out["fabric"] = {"transfers": float(self._xfers), "cross_rack_transfers": float(self._xfers_cross),
+                             "transfer_gb": round(self._xfer_bytes / 1e9, 3),
+                             "inbound_link_wait_ms_total": round(waited, 3)}
         return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,39 @@ def test_sim_validate_without_the_live_run_reports_the_held_out_errors_only() ->
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert 0 < out["median_op_error"] < 1
     assert "live_p99_error" not in out and "live_vs_sim" not in out  # never a figure that was not measured
+
+
+def test_sim_validate_without_vllm_says_the_live_part_was_skipped_and_fails() -> None:
+    # --live auto (the default) where no vLLM interpreter is found: not a pass
+    env = {**os.environ, "RACKFLOW_VLLM_PYTHON": "/nonexistent/python"}
+    res = subprocess.run([*RF, "sim", "validate", "--json", "--no-progress"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0
+    assert "live part was SKIPPED" in res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"] is False and "RACKFLOW_VLLM_PYTHON" in out["live_skipped"]
+    assert "live_runs" not in out and "live_p99_error" not in out
+    # the held-out report is still there, with its pooled and per-class figures
+    assert 0 < out["p90_op_error"] < 1 and 0 < out["decode_p90_error"] < 1
+    assert {"gemm", "elementwise", "embedding", "all_reduce", "decode_step"} <= set(out["per_class"])
+    for c in out["per_class"].values():
+        assert c["rows"] > 0 and c["median"] <= c["p90"] <= c["worst"]
+
+
+def test_scale_pareto_takes_each_control_plane_cost_apart(tmp_path: Path) -> None:
+    res = rf("sim", "experiment", "scale-pareto", "--sizes", "64", "--requests", "400", "--capacity-sizes", "64,128",
+             "--flood-requests", "2000", "--control-plane", "--json", "--no-progress", "--out", str(tmp_path),
+             timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    variants = {"stations", "stations_sized", "fabric", "etcd_records", "all_sized"}
+    assert set(d["capacity_rps_by_cost"]) == variants
+    for name in variants:
+        assert set(d["capacity_rps_by_cost"][name]) == {"64", "128"}
+        assert all(v > 0 for v in d["capacity_rps_by_cost"][name].values())
+        assert all(-1.0 < v < 1.0 for v in d["capacity_share_taken_by_cost"][name].values())
+    assert set(d["gain_by_cost"]) == variants | {"none"}
+    assert d["sized_counts"]["128"]["valkey_shards"] >= d["sized_counts"]["64"]["valkey_shards"] >= 1
+    # the stations' report of the sized run carries the records and the fabric
+    st = d["control_plane_stations_at_overload"]["128"]
+    assert st["etcd_records"]["changes"] > 0 and "fabric" in st

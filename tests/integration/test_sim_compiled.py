@@ -60,13 +60,21 @@ def test_a_build_that_does_not_match_the_source_is_not_used(tmp_path: Path) -> N
     code = ("import sys; from pathlib import Path; from workers.sim.compiled import activate; "
             "r = activate(Path(sys.argv[1]), Path(sys.argv[2])); print(r, sys.path[0] == sys.argv[2])")
     env = {k: v for k, v in os.environ.items() if k != "RACKFLOW_SIM_COMPILED"}
-    stale = subprocess.run([sys.executable, "-c", code, str(root), str(fake)], cwd=REPO, env=env,
+    stale = subprocess.run([sys.executable, "-c", code, str(root), str(fake)], cwd=REPO,
+                           env={**env, "RACKFLOW_SIM_COMPILED": "never-build"},
                            capture_output=True, text=True, timeout=60)
     assert stale.stdout.split() == ["False", "False"] and "older than pipeline/" in stale.stderr
-    (fake / "SOURCE").write_text(source_digest(root) + "\nmods\n")
+    # by default the first command builds it, saying so as it goes, then runs on it
+    built = subprocess.run([sys.executable, "-c", code, str(root), str(fake)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert built.stdout.split() == ["True", "True"], built.stderr[-3000:]
+    assert "building it now" in built.stderr and "compiled simulator at" in built.stderr
+    assert compiled_status(root, fake)[0]
+    assert list((fake / "pipeline" / "sim").glob("simulator*.so"))
     fresh = subprocess.run([sys.executable, "-c", code, str(root), str(fake)], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=60)
     assert fresh.stdout.split() == ["True", "True"], fresh.stderr
+    assert "building" not in fresh.stderr  # once
 
 
 def test_only_sim_commands_use_it() -> None:

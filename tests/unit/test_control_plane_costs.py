@@ -174,7 +174,8 @@ def test_migration_pays_etcd_and_the_kv_transfer() -> None:
     reqs = _reqs(800, 60.0)
     death = [Fault(reqs[len(reqs) // 2].arrival_ms, "r0-n1", "death")]
     off = Simulator(cfg, reqs, _cost(cfg), params=SimParams(), faults=death).run()
-    cp = _costs(etcd_txn_ms=500.0, etcd_concurrency=1, node_link_gbps=0.01)
+    # the records off: the etcd station serves the moves alone
+    cp = _costs(etcd_txn_ms=500.0, etcd_concurrency=1, node_link_gbps=0.01, record_flush_ms=0.0)
     res = Simulator(cfg, reqs, _cost(cfg), params=SimParams(control_plane=cp), faults=death).run()
     assert res.migrations > 0
     et = res.control_plane["etcd"]
@@ -197,3 +198,54 @@ def test_token_flushes_are_charged_while_decoding() -> None:
     fixed = 2.0 * len(done) + len(res.batch_sizes)
     busy = res.control_plane["valkey_spread_shards"]["busy_ms"]
     assert 0.9 * expected < busy - fixed < 1.1 * expected
+
+
+def test_sequence_records_share_etcd_and_lag_when_it_saturates() -> None:
+    cfg = _cfg()
+    reqs = _reqs(600, 40.0)
+    fast = Simulator(cfg, reqs, _cost(cfg), params=SimParams(control_plane=_costs(etcd_txn_ms=2.0))).run()
+    rec = fast.control_plane["etcd_records"]
+    # a claim and a release per request, coalesced per node into transactions
+    assert rec["changes"] == 2 * len(reqs)
+    assert 0 < rec["transactions"] < rec["changes"]
+    assert fast.control_plane["etcd"]["jobs"] == rec["transactions"]  # no migration: the records alone
+    # a change waits at most for the one in flight (2 ms), the 20 ms coalescing and its own 2 ms: nothing queues
+    assert 2.0 <= rec["mean_lag_ms"] <= rec["max_lag_ms"] <= 24.0 + 1e-9
+    # one etcd server at 200 ms a transaction cannot keep up with 8 nodes' records: the lag grows through the run
+    slow = Simulator(cfg, reqs, _cost(cfg),
+                     params=SimParams(control_plane=_costs(etcd_txn_ms=200.0, etcd_concurrency=1))).run()
+    srec = slow.control_plane["etcd_records"]
+    assert slow.control_plane["etcd"]["utilisation"] > 0.9
+    assert srec["max_lag_ms"] > 20 * rec["max_lag_ms"]
+    assert srec["transactions"] < rec["transactions"]  # more coalesced while one is in flight
+    # asynchronous: the requests' timings do not change
+    assert slow.finish == fast.finish
+
+
+def test_cross_rack_migration_crosses_the_rack_uplinks() -> None:
+    cfg = _cfg()
+    reqs = _reqs(800, 60.0)
+    # r0's other nodes drain first (for longer than the run), so the dead node's sequences must go to rack r1
+    at = reqs[len(reqs) // 2].arrival_ms
+    drains = [Fault(at - 1.0, f"r0-n{k}", "xid", 60_000.0) for k in (0, 2, 3)]
+    base = Simulator(cfg, reqs, _cost(cfg), params=SimParams(), faults=drains).run()
+    on_it = [i for i in range(len(reqs)) if base.node_of[i] == 1 and reqs[i].arrival_ms < at < base.finish[i]]
+    assert on_it
+    runs = {}
+    for over in (1.0, 64.0):
+        cp = _costs(node_link_gbps=1.0, spine_oversubscription=over, record_flush_ms=0.0)
+        runs[over] = Simulator(cfg, reqs, _cost(cfg), params=SimParams(control_plane=cp),
+                               faults=[*drains, Fault(at, "r0-n1", "death")]).run()
+    slow = runs[64.0]
+    assert slow.control_plane["fabric"]["cross_rack_transfers"] > 0
+    # 64:1 on a 4-node rack: the uplink carries 1/16 of one node link, so it, not the node links, is the bottleneck
+    up = slow.control_plane["rack_uplink_busiest"]
+    assert up["busy_ms"] > 10 * slow.control_plane["node_link_out_busiest"]["busy_ms"]
+    moved = [i for i in on_it if slow.node_of[i] >= 4 and slow.finish[i] >= 0 and runs[1.0].finish[i] >= 0]
+    assert moved
+    assert sum(slow.finish[i] for i in moved) > sum(runs[1.0].finish[i] for i in moved)
+    # without a spine the transfers cross the node links alone
+    flat = Simulator(cfg, reqs, _cost(cfg), params=SimParams(control_plane=_costs(
+        node_link_gbps=1.0, spine_oversubscription=0.0, record_flush_ms=0.0)),
+        faults=[*drains, Fault(at, "r0-n1", "death")]).run()
+    assert "rack_uplink_busiest" not in flat.control_plane

@@ -11,14 +11,30 @@ from pathlib import Path
 
 import pytest
 
-from workers.sim.live_check import live_vs_sim
+from workers.sim.live_check import live_runs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def test_live_vs_sim_runs_whole_on_the_vllm_engine(tmp_path: Path, tiny_ckpt: Path) -> None:
     cpus = os.sched_getaffinity(0)
-    out = live_vs_sim(requests=40, load=0.35, progress=False, keep_dir=tmp_path)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    both = live_runs(2, requests=40, load=0.35, progress=False, keep_dir=tmp_path)
+    assert len(both["runs"]) == 2 and both["runs"][0]["work_dir"] != both["runs"][1]["work_dir"]
+    between = both["between_runs"]
+    assert between["p99_error"]["min"] <= between["p99_error"]["median"] <= between["p99_error"]["max"]
+    assert between["p99_error"]["max"] == max(r["live_p99_error"] for r in both["runs"])
+    out = both["runs"][0]
+    tmp_path = tmp_path / "run-1"
+    # the engine's cores: its own work, what else took them (the shield moves the machine's other threads off),
+    # and what the hypervisor stole, as shares of their time
+    for key in ("contention", "profile_contention"):
+        c = out[key]
+        assert 0.0 <= c["foreign_share"] <= 1.0 and 0.0 <= c["steal_share"] <= 1.0 and 0.0 < c["engine_share"] <= 1.0
+    assert out["cpus"]["shielded_threads"] >= 0
+    if os.geteuid() == 0:  # a negative nice needs the right: root has it
+        assert out["cpus"]["niced_threads"] > 0 and out["cpus"]["nice"] == -10
+    assert os.getpriority(os.PRIO_PROCESS, 0) == nice, "the run's priority must be undone for the caller"
     assert out["live"]["completed"] == 40 and out["live"]["lost"] == 0 and out["live"]["errors"] == 0, out["live"]
     assert out["sim"]["completed"] == 40 and out["sim"]["dropped"] == 0
     assert set(out["figures"]) == {"ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"}

@@ -1,8 +1,11 @@
 """The `rackflow` entry point: before anything imports `pipeline`, a `rackflow sim ...` command puts the compiled
 simulator first on the import path (`workers.sim.compiled`: the same source compiled with mypyc), when it was built
-from the source as it is now. Every other command, and every stale or missing build, runs the pure-Python modules.
+from the source as it is now. A missing or stale build is built first, once, with a line every 10 s (about a
+minute; where it cannot be built, the pure-Python modules run, which give the same results). Every other command
+runs the pure-Python modules.
 
-`RACKFLOW_SIM_COMPILED=0` turns it off; the run's JSON says which one ran (`sim_compiled`).
+`RACKFLOW_SIM_COMPILED=0` turns it off; `RACKFLOW_SIM_COMPILED=never-build` uses a current build but never builds
+one. The run's JSON says which one ran (`sim_compiled`).
 It imports nothing of `pipeline` (nor does `workers.sim.compiled`): it must run first.
 """
 

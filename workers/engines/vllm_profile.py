@@ -142,8 +142,9 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def isolate_engines(root: int) -> dict[str, Any]:
-    """Give the engines their cores alone, as an engine has its GPU. vLLM's CPU build pins its model executor's
+def isolate_engines(root: int, shield: bool = False) -> dict[str, Any]:
+    """Give the engines their cores alone, as an engine has its GPU (with `shield`, from every other process of the
+    machine too: `shield_cores`). vLLM's CPU build pins its model executor's
     threads to some cores and reserves the rest for the host (`VLLM_CPU_OMP_THREADS_BIND=auto`). Here vLLM's own
     processes (`VLLM::EngineCore`, the scheduler, and `VLLM::Worker`, the executor: they run one after the other, a
     step at a time) go on the pinned cores, and every other thread under `root` (the rackflow worker with vLLM's
@@ -175,8 +176,38 @@ def isolate_engines(root: int) -> dict[str, Any]:
                     moved[tid] = sorted(a)
                 except OSError:
                     continue
-    return {"engine_cpus": sorted(pinned), "other_cpus": sorted(rest), "moved_threads": len(moved),
-            "_before": moved, "_root": root, "_rest": sorted(rest)}
+    shielded = shield_cores(pinned, root, moved) if shield and pinned and rest else 0
+    return {"engine_cpus": sorted(pinned), "other_cpus": sorted(rest), "moved_threads": len(moved) - shielded,
+            "shielded_threads": shielded, "_before": moved, "_root": root, "_rest": sorted(rest)}
+
+
+def shield_cores(cores: set[int], root: int, moved: dict[int, list[int]]) -> int:
+    """Move every thread of the machine outside `root`'s tree off `cores` (what `cset shield` does): another
+    process's work on an engine's core slows its steps, which an engine on a GPU never sees, and the simulator,
+    timed by the engine's profile, cannot know. Threads that cannot move (per-CPU kernel threads, another user's
+    without the right) stay. Each moved thread's old affinity goes into `moved` (for `restore_affinity`); returns how
+    many moved this call. Call it again to catch processes started since."""
+    ours = set(_tree(root))
+    n = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in ours:
+            continue
+        try:
+            tasks = [int(t.name) for t in (d / "task").iterdir()]
+        except OSError:
+            continue
+        for tid in tasks:
+            if tid in moved:
+                continue
+            try:
+                a = set(os.sched_getaffinity(tid))
+                if a & cores and a - cores:
+                    os.sched_setaffinity(tid, a - cores)
+                    moved[tid] = sorted(a)
+                    n += 1
+            except OSError:
+                continue
+    return n
 
 
 def restore_affinity(split: dict[str, Any]) -> None:

@@ -45,11 +45,14 @@ def vllm_python() -> str:
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     env = os.environ.get("RACKFLOW_VLLM_PYTHON")
-    candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")
-    for c in candidates:
-        if c.exists():
-            return str(c)
+    if env:  # an explicit setting is the only candidate: a wrong path is an error, not a silent fallback
+        if Path(env).exists():
+            return env
+        raise RuntimeError(f"RACKFLOW_VLLM_PYTHON={env} does not exist: point it at an interpreter with vLLM, or "
+                           "unset it to use .venv-vllm")
+    c = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    if c.exists():
+        return str(c)
     raise RuntimeError(
         "the vllm engine needs vLLM, and neither this Python nor .venv-vllm has it: run `make .venv-vllm` (vLLM's "
         "CPU build), or set RACKFLOW_VLLM_PYTHON to an interpreter with vLLM"

@@ -159,7 +159,9 @@ def control_plane_costs(args: argparse.Namespace, cfg: RackflowConfig) -> Contro
     path = Path(args.control_plane) if args.control_plane else CALIBRATION
     return ControlPlaneCosts.from_calibration(
         load_calibration(path), routers=args.routers, batchers_per_rack=args.batchers_per_rack,
-        valkey_shards=args.valkey_shards, token_flush_ms=float(cfg.policies.worker.token_flush_ms))
+        valkey_shards=args.valkey_shards, token_flush_ms=float(cfg.policies.worker.token_flush_ms),
+        spine_oversubscription=float(getattr(args, "spine_oversubscription", 1.0)),
+        record_flush_ms=float(getattr(args, "record_flush_ms", 20.0)))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,12 +57,39 @@ def activate(root: Path = REPO, build: Path = BUILD) -> bool:
     if "pipeline" in sys.modules:
         return False
     ok, why = compiled_status(root, build)
+    if not ok and os.environ.get("RACKFLOW_SIM_COMPILED", "auto") != "never-build":
+        ok, why = _build_once(root, build, why)
     if not ok:
         print(f"rackflow sim: {why}; running the pure-Python simulator (same results, about 2x slower)",
               file=sys.stderr)
         return False
     sys.path.insert(0, str(build))
     return True
+
+
+def _build_once(root: Path, out: Path, why: str) -> tuple[bool, str]:
+    """The first `rackflow sim` on a fresh clone (or after `pipeline/` changed) builds the compiled copy itself,
+    saying so, under a lock so that two commands started together build it once. Where it cannot be built (no C
+    compiler, no mypyc) it says why, and the pure-Python simulator runs."""
+    import fcntl
+
+    try:
+        import mypyc  # noqa: F401
+    except ImportError:
+        return False, f"{why}; mypyc is not installed here, so it cannot be built"
+    print(f"rackflow sim: {why}; building it now, once (about a minute; RACKFLOW_SIM_COMPILED=0 skips it)",
+          file=sys.stderr, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another command building: wait for it, then use what it built
+        ok, why2 = compiled_status(root, out)
+        if ok:
+            return ok, why2
+        try:
+            build(root, out)
+        except (RuntimeError, OSError) as e:
+            return False, f"{why}; the build failed ({str(e).strip().splitlines()[0] if str(e).strip() else e})"
+    return compiled_status(root, out)
 
 
 MODULES = (
@@ -99,11 +127,20 @@ def build(root: Path = REPO, out: Path = BUILD, modules: tuple[str, ...] = MODUL
     print(f"compiling the simulator's {len(modules)} hot modules with mypyc (about a minute)...", file=sys.stderr,
           flush=True)
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "mypyc", *modules], cwd=tmp, capture_output=True, text=True,
-                          check=False)
-    if proc.returncode != 0:
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mypyc", *modules], cwd=tmp, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+        while True:  # a line every 10 s, so that a minute of silence never looks like a hang
+            try:
+                rc = proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                print(f"  compiling ... {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
+        log.seek(0)
+        output = log.read()
+    if rc != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"mypyc failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"mypyc failed ({rc}):\n{output[-8000:]}")
     for scratch in ("build", ".mypy_cache"):  # the generated C, objects, type cache: the .so files are in place
         shutil.rmtree(tmp / scratch, ignore_errors=True)
     if source_digest(root) != digest:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -211,19 +212,34 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     flood = args.flood_requests or 80_000
     cap_sizes = [int(x) for x in args.capacity_sizes.split(",")] if args.capacity_sizes else [512, 1024]
     flood_scale = args.flood_scale or 40.0
+    # with the costs on, each cost alone and all together (`COST_VARIANTS`): what each one takes off the capacity
+    by_cost: dict[str, dict[str, float]] = {name: {} for name in COST_VARIANTS} if cp is not None else {}
+    counts: dict[str, dict[str, int]] = {}
     for gpus in cap_sizes:
         if gpus not in sizes and not args.capacity_sizes:
             continue
         nodes = gpus // 8
         cfg = _config(args, _cluster(nodes // 8, 8), "weighted", seed)
-        heavy = list(scale_rate(full[:flood], flood_scale))  # the floods do not depend on --requests
+        # above 1,024 GPUs the flood grows with the cluster (requests and rate), so it overloads it as long
+        k = max(1.0, gpus / 1024.0)
+        n_flood = int(flood * k)
+        if n_flood > len(full):
+            full = superpose(base, -(-n_flood // len(base)), random.Random(seed + 2))
+        heavy = list(scale_rate(full[:n_flood], flood_scale * k))  # the floods do not depend on --requests
         row, _ = run_once(cfg, heavy, _params(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
         capacity[str(gpus)] = row["steady_throughput_rps"]
+        variants: dict[str, ControlPlaneCosts] = {}
         if cp is not None:
-            row, _ = run_once(cfg, heavy, _params(control_plane=cp), [], "qwen2-72b", not args.no_progress,
-                              label=f"{gpus} overload, control-plane costs")
-            capacity_cp[str(gpus)] = row["steady_throughput_rps"]
-            stations[str(gpus)] = row.get("control_plane", {})
+            offered = len(heavy) * 1000.0 / max(1.0, heavy[-1].arrival_ms - heavy[0].arrival_ms)
+            counts[str(gpus)] = sized_counts(cp, nodes, cfg.policies.worker.max_running, offered)
+            variants = _cost_variants(cp, counts[str(gpus)])
+        for name, c in variants.items():
+            row, _ = run_once(cfg, heavy, _params(control_plane=c), [], "qwen2-72b", not args.no_progress,
+                              label=f"{gpus} overload, control-plane costs: {name}")
+            by_cost[name][str(gpus)] = row["steady_throughput_rps"]
+            if name == "all_sized":
+                capacity_cp[str(gpus)] = row["steady_throughput_rps"]
+                stations[str(gpus)] = row.get("control_plane", {})
     _plot_pareto(table, out / "scale-pareto.png")
     both = "512" in capacity and "1024" in capacity
     claims = [{
@@ -238,10 +254,55 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "sim_wall_s_1024": table.get("1024", {}).get("sim_wall_s"),
         "requests_1024": table.get("1024", {}).get("requests"),
     }]
+    shares = {name: {g: round((capacity[g] - v) / capacity[g], 4) for g, v in caps.items() if capacity.get(g)}
+              for name, caps in by_cost.items()}
     return {"table": table, "capacity_rps": capacity, "capacity_rps_control_plane": capacity_cp,
+            "capacity_rps_by_cost": by_cost, "capacity_share_taken_by_cost": shares, "sized_counts": counts,
+            "gain_by_cost": {name: _gains(caps) for name, caps in {"none": capacity, **by_cost}.items()},
             "control_plane_stations_at_overload": stations, "flood_requests": flood, "flood_scale": flood_scale,
             "control_plane": _cp_settings(cp), "claims": claims, "plot": str(out / "scale-pareto.png"),
             "price_per_gpu_hour": price}
+
+
+COST_VARIANTS = ("stations", "stations_sized", "fabric", "etcd_records", "all_sized")
+"""The control-plane costs scale-pareto turns on one at a time, then together:
+- `stations`: the router, the rack batchers, the Valkey shards and the etcd ownership moves, at the counts given
+  (`--routers`, `--batchers-per-rack`, `--valkey-shards`: 1 each by default);
+- `stations_sized`: the same with the counts the sizing rule gives for the cluster (`sized_counts`);
+- `fabric` alone: the node links both ways, the racks' uplinks to the spine, host-tier loads sharing the inbound link;
+- `etcd_records` alone: the workers' sequence records on etcd;
+- `all_sized`: the sized stations, the fabric and the records together."""
+
+
+def sized_counts(cp: ControlPlaneCosts, nodes: int, max_seqs: int, offered_rps: float, cap: float = 0.7
+                 ) -> dict[str, int]:
+    """Processes a cluster needs at `cap` utilisation (the `sizing` experiment's rule): routers for the offered
+    rate; spread Valkey shards for the token flushes of every node's slots decoding at once (one XADD per sequence
+    per `token_flush_ms`: the one cost that grows with the cluster rather than with the rate)."""
+    routers = max(1, math.ceil(offered_rps * cp.router_ms / 1000.0 / cap))
+    per_shard = cap * cp.token_flush_ms / cp.xadd_ms if cp.xadd_ms > 0 and cp.token_flush_ms > 0 else math.inf
+    shards = max(1, math.ceil(nodes * max_seqs / per_shard)) if per_shard < math.inf else 1
+    return {"routers": routers, "valkey_shards": shards}
+
+
+def _cost_variants(cp: ControlPlaneCosts, sized: dict[str, int]) -> dict[str, ControlPlaneCosts]:
+    none = {"router_ms": 0.0, "batcher_ms": 0.0, "xadd_ms": 0.0, "read_ms": 0.0}
+    big = dataclasses.replace(cp, **sized)  # type: ignore[arg-type]
+    return {"stations": dataclasses.replace(cp, fabric=False, record_flush_ms=0.0),
+            "stations_sized": dataclasses.replace(big, fabric=False, record_flush_ms=0.0),
+            "fabric": dataclasses.replace(cp, **none, record_flush_ms=0.0),  # type: ignore[arg-type]
+            "etcd_records": dataclasses.replace(cp, **none, fabric=False),  # type: ignore[arg-type]
+            "all_sized": big}
+
+
+def _gains(caps: dict[str, float]) -> dict[str, str]:
+    """Capacity gain from each size to the next (e.g. "512->1024": "+101%"), and per GPU."""
+    sizes = sorted(caps, key=int)
+    out = {}
+    for a, b in itertools.pairwise(sizes):
+        per_gpu = (caps[b] / int(b)) / (caps[a] / int(a)) if caps[a] else 0.0
+        out[f"{a}->{b}"] = f"{_pct(caps[a], caps[b])} ({per_gpu:.3f}x per GPU)"
+    return out
 
 
 def _costs(args: argparse.Namespace) -> ControlPlaneCosts | None:

@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,7 +43,7 @@ import yaml
 from pipeline.sim.simulator import SimParams, Simulator
 from pipeline.sim.traces import TraceRequest, parse_azure, scale_rate
 from pipeline.stats import percentile
-from workers.engines.vllm_profile import LinearStepCost, isolate_engines, restore_affinity
+from workers.engines.vllm_profile import LinearStepCost, isolate_engines, restore_affinity, shield_cores
 from workers.sim.harness import AZURE_CONV, REPO
 
 TINY = REPO / ".cache" / "tiny-qwen2-vllm"
@@ -134,8 +135,151 @@ async def _engine_steps(redis_url: str, since_ms: float) -> list[tuple[int, floa
     return out
 
 
+DISTURBED_SHARE = 0.15
+"""A live run during which processes outside it used more than this share of the machine's cores (every core: the
+engine's are shielded, the others carry the roles) is disturbed: its tail measures the neighbour, not the
+simulator (measured: a simulator run beside the check took 26-33% and the P99 error went from 0.11 to 0.77-0.95).
+`live_runs` waits for a quiet machine and runs a disturbed run again, keeping every attempt in its report."""
+
+PRIORITY = -10
+"""The nice value of the live run's processes (engine, roles, services, this process): the roles and vLLM's frontend
+share the other core(s) with whatever else the machine runs, and a busy neighbour starved them (measured: with a
+simulator run beside, the shielded engine ran clean and TTFT P50 still went from 30 ms to 5.6 s, the requests
+waiting in the roles). At -10 the scheduler gives them about 9 in 10 of a contended core when they want it; they
+are idle most of the run, so the neighbour keeps the rest."""
+
+
+def _renice(root: int, nice: int, old: dict[int, int]) -> int:
+    """Every thread of `root`'s tree to `nice` (Linux nice is per thread; new threads and children inherit their
+    creator's), and each process's scheduler autogroup, each one's old value into `old` for `_restore_nice`.
+    Returns how many threads changed; 0 without the right (a negative nice needs CAP_SYS_NICE: then the run goes on
+    at the default priority, and the report says so)."""
+    from workers.engines.vllm_profile import _tree
+
+    n = 0
+    tree = _tree(root)
+    mine = set(tree)
+    shared: set[str] = set()  # autogroups that processes outside the tree are in too: left alone
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) not in mine:
+            try:
+                shared.add((d / "autogroup").read_text().split()[0])
+            except (OSError, IndexError):
+                continue
+    for pid in tree:
+        # with the scheduler's autogroups on (each session a group, the default of most distributions), nice weighs
+        # threads only within their group, and groups share a core equally: each process started in a session of
+        # its own (the roles, the workers) gets the group's nice too
+        ag = Path(f"/proc/{pid}/autogroup")
+        try:
+            group = ag.read_text()
+            before_ag = int(group.split("nice")[1])
+            if before_ag != nice and group.split()[0] not in shared:
+                ag.write_text(str(nice))
+                old.setdefault(-pid, before_ag)  # negative: an autogroup, keyed by a process in it
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                before = os.getpriority(os.PRIO_PROCESS, tid)
+                if before != nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    old.setdefault(tid, before)
+                    n += 1
+            except OSError:
+                continue
+    return n
+
+
+def _restore_nice(old: dict[int, int]) -> None:
+    for tid, v in old.items():
+        try:
+            if tid < 0:
+                Path(f"/proc/{-tid}/autogroup").write_text(str(v))
+            else:
+                os.setpriority(os.PRIO_PROCESS, tid, v)
+        except OSError:
+            continue
+
+
+class _Shield(threading.Thread):
+    """Every second, moves the machine's threads started since off the engine's cores (`shield_cores`), until
+    stopped: a process that starts mid-run (a build, a test) would otherwise take the engine's core."""
+
+    def __init__(self, cores: set[int], root: int, moved: dict[int, list[int]]) -> None:
+        super().__init__(name="rackflow-shield", daemon=True)
+        self.cores, self.root, self.moved = cores, root, moved
+        self.total = len(moved)
+        self._stop_ev = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_ev.wait(1.0):
+            if self.cores:
+                self.total += shield_cores(self.cores, self.root, self.moved)
+
+    def stop(self) -> None:
+        self._stop_ev.set()
+        self.join(timeout=10)
+
+
 def _rel(sim: float, live: float) -> float:
     return abs(sim - live) / max(1e-9, live)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_times(cpus: list[int], root: int, ours: str = "engine") -> dict[str, float]:
+    """Seconds of CPU so far: on `cpus` in all (busy, and stolen by the hypervisor, from /proc/stat), and of our own
+    threads counted against them: with `ours="engine"` the threads under `root` allowed only on `cpus` (under
+    isolation, the engine's: vLLM's executor, the profile's engine), with `ours="tree"` every thread under `root`.
+    Two snapshots give how much of those cores something else took: the contention a GPU's engine never sees."""
+    from workers.engines.vllm_profile import _tree
+
+    busy = steal = 0.0
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *vals = line.split()
+            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                continue
+            v = [int(x) for x in vals]
+            # user nice system idle iowait irq softirq steal
+            busy += (v[0] + v[1] + v[2] + v[5] + v[6]) / _TICK
+            steal += (v[7] if len(v) > 7 else 0) / _TICK
+    except (OSError, ValueError):
+        pass
+    mine = 0.0
+    allowed = set(cpus)
+    for pid in _tree(root):
+        try:
+            tasks = [t.name for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                if ours == "engine" and not set(os.sched_getaffinity(int(tid))) <= allowed:
+                    continue
+                f = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                f = f[f.rindex(")") + 2:].split()
+                mine += (int(f[11]) + int(f[12])) / _TICK  # utime, stime
+            except (OSError, ValueError, IndexError):
+                continue
+    return {"busy_s": busy, "steal_s": steal, "engine_s": mine, "at": time.monotonic()}
+
+
+def _contention(a: dict[str, float], b: dict[str, float], ncpus: int) -> dict[str, float]:
+    """Between two `_cpu_times` snapshots: the share of the cores' time that our threads used (`engine_share`), that
+    something else used (`foreign_share`: other processes of the machine, or our own threads that escaped
+    isolation), and that the hypervisor stole."""
+    wall = max(1e-9, (b["at"] - a["at"]) * max(1, ncpus))
+    eng = (b["engine_s"] - a["engine_s"]) / wall
+    busy = (b["busy_s"] - a["busy_s"]) / wall
+    return {"engine_share": round(eng, 3), "foreign_share": round(max(0.0, busy - eng), 3),
+            "steal_share": round((b["steal_s"] - a["steal_s"]) / wall, 3)}
 
 
 def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progress: bool = True,
@@ -162,20 +306,29 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
     procs = ClusterProcesses(config, ep.redis_url, ep.etcd_url, work / "logs", ["--config", str(cfg_path)],
                              engine="vllm", log_level="WARNING")
     split: dict[str, Any] = {}
+    shield: _Shield | None = None
+    cpus: dict[str, Any] = {}
+    niced: dict[int, int] = {}
     try:
         _log(f"starting {nodes} vLLM worker(s) and the pipeline roles (logs: {work / 'logs'})", progress)
         procs.start()
         asyncio.run(wait_cluster_ready(config, ep.redis_url, ep.etcd_url, 600))
-        split = isolate_engines(os.getpid())
+        split = isolate_engines(os.getpid(), shield=True)
         cpus = {k: v for k, v in split.items() if not k.startswith("_")}
+        shield = _Shield(set(cpus["engine_cpus"]), os.getpid(), split["_before"])
+        shield.start()
+        cpus["niced_threads"] = _renice(os.getpid(), PRIORITY, niced)
+        cpus["nice"] = PRIORITY if cpus["niced_threads"] else 0
         _log(f"engine cores {cpus['engine_cpus']}, the rest on {cpus['other_cpus']}", progress)
         _log("profiling the engine's step times (vLLM's interpreter, beside the idle cluster)", progress)
         env = dict(os.environ, PYTHONPATH=str(REPO))
+        p_before = _cpu_times(cpus["engine_cpus"], os.getpid())
         prof = subprocess.run([vpy, "-m", "workers.engines.vllm_profile", "--config-dir", str(REPO / "configs"),
                                "--config", str(cfg_path), "-o", str(work / "profile.json"), "--isolate",
                                *([] if progress else ["--no-progress"])],
                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, preexec_fn=_all_cpus,
                               stderr=None if progress else subprocess.DEVNULL, timeout=900)
+        p_contention = _contention(p_before, _cpu_times(cpus["engine_cpus"], os.getpid()), len(cpus["engine_cpus"]))
         if prof.returncode != 0:
             raise RuntimeError(f"the vLLM step profile failed (exit {prof.returncode})")
         profile = json.loads((work / "profile.json").read_text())
@@ -185,11 +338,20 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
         span_s = max(r.arrival_ms for r in reqs) / 1000.0
         _log(f"replaying {len(reqs)} requests over {span_s:.1f} s through the live pipeline", progress)
         t_run = time.time() * 1000.0
+        before = _cpu_times(cpus["engine_cpus"], os.getpid())
+        every = sorted(set(cpus["engine_cpus"]) | set(cpus["other_cpus"]))
+        m_before = _cpu_times(every, os.getpid(), "tree")
         run = DemoRun(config, ep.redis_url, ep.etcd_url, AZURE_CONV, len(reqs), 1.0, model, 0, progress=progress,
                       rows=reqs, idle_timeout_s=300.0)
         report = asyncio.run(run.run())
+        contention = _contention(before, _cpu_times(cpus["engine_cpus"], os.getpid()), len(cpus["engine_cpus"]))
+        machine = _contention(m_before, _cpu_times(every, os.getpid(), "tree"), len(every))
         in_run = asyncio.run(_engine_steps(ep.redis_url, t_run))
     finally:
+        if shield is not None:
+            shield.stop()
+            cpus["shielded_threads"] = shield.total
+        _restore_nice(niced)
         restore_affinity(split)
         procs.stop()
         svc.stop()
@@ -225,7 +387,11 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
         "step_cost": profile["fit"], "step_fit": profile["fit_quality"], "engine": engine,
         "in_run_steps": {"samples": len(in_run), "median_step_ms": round(live_step, 3),
                          "mean_running": round(running, 2), "ratio_to_profile": round(factor, 3)},
-        "cpus": cpus, "profile_cpus": engine.get("cpus"), "dispatch_latency_ms": round(dispatch_ms, 2),
+        "cpus": cpus, "contention": contention, "profile_contention": p_contention,
+        "machine_contention": {"ours_share": machine["engine_share"], "foreign_share": machine["foreign_share"],
+                               "steal_share": machine["steal_share"]},
+        "disturbed": machine["foreign_share"] > DISTURBED_SHARE,
+        "profile_cpus": engine.get("cpus"), "dispatch_latency_ms": round(dispatch_ms, 2),
         "hops_p50_ms": {k: round(v, 2) for k, v in hops.items()}, "wall_s": round(time.perf_counter() - t_all, 1),
         "work_dir": str(work),
     }
@@ -260,3 +426,78 @@ def _plot(d: dict[str, list[float]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": round(min(values), 4), "median": round(statistics.median(values), 4), "max": round(max(values), 4)}
+
+
+def wait_quiet(limit_s: float = 120.0, window_s: float = 5.0, progress: bool = True) -> dict[str, float]:
+    """Wait (at most `limit_s`) until processes other than this one use at most DISTURBED_SHARE of the machine's
+    cores over `window_s`, as a benchmark harness waits for a quiet machine. Returns the wait and the last share."""
+    cores = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    t0 = time.monotonic()
+    while True:
+        a = _cpu_times(cores, os.getpid(), "tree")
+        time.sleep(window_s)
+        share = _contention(a, _cpu_times(cores, os.getpid(), "tree"), len(cores))["foreign_share"]
+        waited = time.monotonic() - t0
+        if share <= DISTURBED_SHARE or waited >= limit_s:
+            return {"waited_s": round(waited, 1), "foreign_share": share}
+        _log(f"the machine is busy ({share:.0%} of its cores used by other processes): waiting for it to be quiet "
+             f"({waited:.0f} of {limit_s:.0f} s)", progress)
+
+
+def live_runs(k: int = 3, requests: int = 300, load: float = 0.35, nodes: int = 1, progress: bool = True,
+              keep_dir: Path | None = None, retries: int = 2) -> dict[str, Any]:
+    """`live_vs_sim` `k` times, each on a fresh cluster with its own profile (nothing carried from one run to the
+    next), and what differed between the runs: the profile's decode and prefill price, the engine's speed in the
+    run against its profile, the dispatch hops, and the contention on the engine's cores (its own share, what
+    other processes took, what the hypervisor stole) during the profile and during the run. Before each run it
+    waits for a quiet machine (`wait_quiet`); a run that other processes disturbed anyway (`disturbed`) runs again,
+    up to `retries` times. Each run keeps its attempts (`attempts`: error, machine share taken by others); the run
+    counted is its last attempt, disturbed or not."""
+    if k < 1:
+        raise ValueError(f"--live-runs must be at least 1, got {k}")
+    runs = []
+    for i in range(k):
+        attempts: list[dict[str, Any]] = []
+        for a in range(1 + max(0, retries)):
+            quiet = wait_quiet(progress=progress)
+            _log(f"live run {i + 1} of {k}" + (f", attempt {a + 1}" if a else ""), progress)
+            name = f"run-{i + 1}" + (f"-attempt-{a + 1}" if a else "")
+            r = live_vs_sim(requests, load, nodes, progress, (Path(keep_dir) / name) if keep_dir else None)
+            r["quiet_wait"] = quiet
+            attempts.append(r)
+            _log(f"live run {i + 1}: P99 error {r['live_p99_error']:.1%}; other processes used "
+                 f"{r['machine_contention']['foreign_share']:.0%} of the machine"
+                 + (" (disturbed)" if r["disturbed"] else ""), progress)
+            if not r["disturbed"]:
+                break
+        run = attempts[-1]
+        run["attempts"] = [{"p99_error": x["live_p99_error"], "disturbed": x["disturbed"],
+                            "machine_foreign_share": x["machine_contention"]["foreign_share"],
+                            "work_dir": x["work_dir"]} for x in attempts]
+        runs.append(run)
+
+    def col(f: Any) -> dict[str, float]:
+        return _spread([float(f(r)) for r in runs])
+
+    between = {
+        "p99_error": col(lambda r: r["live_p99_error"]),
+        "live_ttft_p99_ms": col(lambda r: r["figures"]["ttft_p99"]["live_ms"]),
+        "sim_ttft_p99_ms": col(lambda r: r["figures"]["ttft_p99"]["sim_ms"]),
+        "profile_decode_base_ms": col(lambda r: r["step_cost"].get("base_ms", 0.0)),
+        "profile_prefill_token_ms": col(lambda r: r["step_cost"].get("per_prefill_token_ms", 0.0)),
+        "arrival_span_s": col(lambda r: r["span_s"]),
+        "in_run_step_ratio": col(lambda r: r["in_run_steps"]["ratio_to_profile"]),
+        "dispatch_latency_ms": col(lambda r: r["dispatch_latency_ms"]),
+        "run_engine_share": col(lambda r: r["contention"]["engine_share"]),
+        "run_foreign_share": col(lambda r: r["contention"]["foreign_share"]),
+        "run_steal_share": col(lambda r: r["contention"]["steal_share"]),
+        "profile_foreign_share": col(lambda r: r["profile_contention"]["foreign_share"]),
+        "profile_steal_share": col(lambda r: r["profile_contention"]["steal_share"]),
+        "run_machine_foreign_share": col(lambda r: r["machine_contention"]["foreign_share"]),
+        "attempts": col(lambda r: len(r["attempts"])),
+    }
+    return {"runs": runs, "between_runs": between}
