@@ -212,6 +212,7 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     flood = args.flood_requests or 80_000
     cap_sizes = [int(x) for x in args.capacity_sizes.split(",")] if args.capacity_sizes else [512, 1024]
     flood_scale = args.flood_scale or 40.0
+    copies_now = copies
     # with the costs on, each cost alone and all together (`COST_VARIANTS`): what each one takes off the capacity
     by_cost: dict[str, dict[str, float]] = {name: {} for name in COST_VARIANTS} if cp is not None else {}
     counts: dict[str, dict[str, int]] = {}
@@ -223,9 +224,11 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         # above 1,024 GPUs the flood grows with the cluster (requests and rate), so it overloads it as long
         k = max(1.0, gpus / 1024.0)
         n_flood = int(flood * k)
-        if n_flood > len(full):
-            full = superpose(base, -(-n_flood // len(base)), random.Random(seed + 2))
-        heavy = list(scale_rate(full[:n_flood], flood_scale * k))  # the floods do not depend on --requests
+        if n_flood > len(full):  # more copies of the hour: each copy adds its rate, which the scale takes back
+            copies_now = -(-n_flood // len(base))
+            full = superpose(base, copies_now, random.Random(seed + 2))
+        scale = flood_scale * k * copies / copies_now
+        heavy = list(scale_rate(full[:n_flood], scale))  # the floods do not depend on --requests
         row, _ = run_once(cfg, heavy, _params(), [], "qwen2-72b", not args.no_progress, label=f"{gpus} overload")
         capacity[str(gpus)] = row["steady_throughput_rps"]
         variants: dict[str, ControlPlaneCosts] = {}
@@ -241,6 +244,8 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 capacity_cp[str(gpus)] = row["steady_throughput_rps"]
                 stations[str(gpus)] = row.get("control_plane", {})
     _plot_pareto(table, out / "scale-pareto.png")
+    if by_cost:
+        plot_capacity(capacity, by_cost, out / "scale-capacity.png")
     both = "512" in capacity and "1024" in capacity
     claims = [{
         "throughput_1024_vs_512": (f"{_pct(capacity['512'], capacity['1024'])} (capacity at overload)"
@@ -261,6 +266,7 @@ def scale_pareto(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             "gain_by_cost": {name: _gains(caps) for name, caps in {"none": capacity, **by_cost}.items()},
             "control_plane_stations_at_overload": stations, "flood_requests": flood, "flood_scale": flood_scale,
             "control_plane": _cp_settings(cp), "claims": claims, "plot": str(out / "scale-pareto.png"),
+            "capacity_plot": str(out / "scale-capacity.png") if by_cost else None,
             "price_per_gpu_hour": price}
 
 
@@ -503,6 +509,28 @@ def _plot_sizing(sat: dict[str, dict[str, Any]], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_capacity(capacity: dict[str, float], by_cost: dict[str, dict[str, float]], path: Path) -> None:
+    """Capacity per GPU against the cluster's size, without the control-plane costs and with each one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for name, caps in {"no costs": capacity, **by_cost}.items():
+        sizes = sorted(caps, key=int)
+        ax.plot([int(g) for g in sizes], [caps[g] / int(g) for g in sizes], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("capacity per GPU (req/s, steady middle half of the flood)")
+    ax.set_title("What each control-plane cost takes off the capacity")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -322,13 +322,16 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
         _log(f"engine cores {cpus['engine_cpus']}, the rest on {cpus['other_cpus']}", progress)
         _log("profiling the engine's step times (vLLM's interpreter, beside the idle cluster)", progress)
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        p_before = _cpu_times(cpus["engine_cpus"], os.getpid())
+        # during the profile, what other processes took of the machine (the profile's own engine is ours, and its
+        # threads are not all pinned, so the engine's-core split of the run does not apply to it)
+        every = sorted(set(cpus["engine_cpus"]) | set(cpus["other_cpus"]))
+        p_before = _cpu_times(every, os.getpid(), "tree")
         prof = subprocess.run([vpy, "-m", "workers.engines.vllm_profile", "--config-dir", str(REPO / "configs"),
                                "--config", str(cfg_path), "-o", str(work / "profile.json"), "--isolate",
                                *([] if progress else ["--no-progress"])],
                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, preexec_fn=_all_cpus,
                               stderr=None if progress else subprocess.DEVNULL, timeout=900)
-        p_contention = _contention(p_before, _cpu_times(cpus["engine_cpus"], os.getpid()), len(cpus["engine_cpus"]))
+        p_contention = _contention(p_before, _cpu_times(every, os.getpid(), "tree"), len(every))
         if prof.returncode != 0:
             raise RuntimeError(f"the vLLM step profile failed (exit {prof.returncode})")
         profile = json.loads((work / "profile.json").read_text())
@@ -339,7 +342,6 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
         _log(f"replaying {len(reqs)} requests over {span_s:.1f} s through the live pipeline", progress)
         t_run = time.time() * 1000.0
         before = _cpu_times(cpus["engine_cpus"], os.getpid())
-        every = sorted(set(cpus["engine_cpus"]) | set(cpus["other_cpus"]))
         m_before = _cpu_times(every, os.getpid(), "tree")
         run = DemoRun(config, ep.redis_url, ep.etcd_url, AZURE_CONV, len(reqs), 1.0, model, 0, progress=progress,
                       rows=reqs, idle_timeout_s=300.0)
@@ -449,7 +451,7 @@ def wait_quiet(limit_s: float = 120.0, window_s: float = 5.0, progress: bool = T
 
 
 def live_runs(k: int = 3, requests: int = 300, load: float = 0.35, nodes: int = 1, progress: bool = True,
-              keep_dir: Path | None = None, retries: int = 2) -> dict[str, Any]:
+              keep_dir: Path | None = None, retries: int = 1) -> dict[str, Any]:
     """`live_vs_sim` `k` times, each on a fresh cluster with its own profile (nothing carried from one run to the
     next), and what differed between the runs: the profile's decode and prefill price, the engine's speed in the
     run against its profile, the dispatch hops, and the contention on the engine's cores (its own share, what
