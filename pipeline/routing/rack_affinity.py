@@ -26,7 +26,7 @@ from pipeline.routing.hashring import HashRing
 from pipeline.routing.views import RackView
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class RackSummary:
     """What a route reads of all the racks before it picks one: the healthy racks (in ring-member order) and their
     sums. A caller whose views do not change between requests (the gateway's admission reads them every
@@ -44,7 +44,7 @@ class RackSummary:
     per-node mean."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class RouteDecision:
     rack: str | None
     """None: no rack serving the model is healthy."""

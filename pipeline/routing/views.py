@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class RackView:
     name: str
     healthy: bool
@@ -23,7 +23,7 @@ class RackView:
         return self.work / self.nodes if self.nodes > 0 else 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class NodeView:
     name: str
     active: bool

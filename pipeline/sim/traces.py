@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pipeline.errors import RackflowError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class TraceRequest:
     arrival_ms: float
     """Milliseconds since the trace's first request."""

@@ -51,3 +51,32 @@ def test_decode_attention_roofline_is_the_kv_read() -> None:
     assert decode_attention_ms(shape, 1, 1000, gpu, 1.0) == pytest.approx(1000 * 4096 / 2e9)
     assert decode_attention_ms(shape, 8, 1000, gpu, 0.5) == pytest.approx(1000 * 512 / 1e9)
     assert decode_attention_ms(shape, 16, 1000, gpu, 1.0) == decode_attention_ms(shape, 8, 1000, gpu, 1.0)
+
+
+def test_all_reduce_is_scored_only_on_sizes_its_table_was_not_built_from() -> None:
+    from pipeline.costmodel.calibration import AllReduceRow
+    from pipeline.costmodel.validate import split_sizes
+
+    grid = range(2048, 200_000, 8192)
+    rows = [AllReduceRow("h100", w, 8, size, 0.01 * k) for w in (2, 8) for k, size in enumerate(grid)]
+    fit, held = split_sizes(rows)
+    assert len(fit) + len(held) == len(rows)
+    for w in (2, 8):
+        f = sorted(r.size_bytes for r in fit if r.num_workers == w)
+        h = sorted(r.size_bytes for r in held if r.num_workers == w)
+        assert not set(f) & set(h)  # no size on both sides
+        assert abs(len(f) - len(h)) <= 1 and f[0] < h[0] < f[1]  # alternating along the grid
+
+
+def test_report_pools_every_held_out_point(report: dict) -> None:
+    pc = report["per_class"]
+    assert {"gemm", "elementwise", "embedding", "all_reduce", "decode_step"} <= set(pc)
+    for c in pc.values():
+        assert c["rows"] > 0 and 0.0 <= c["median"] <= c["p90"] <= c["worst"]
+    assert report["decode_p90_error"] == report["decode_per_token_error"]["p90"] == pc["decode_step"]["p90"]
+    assert 0.0 < report["p90_op_error"] < 1.0
+    split = report["all_reduce_split"]
+    assert split["fit_points"] > 0 and split["held_out_points"] > 0
+    # ok asks all three targets
+    assert report["ok"] == (report["median_op_error"] <= 0.10 and report["p90_op_error"] <= 0.15
+                            and report["decode_p90_error"] <= 0.15)
