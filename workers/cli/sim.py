@@ -453,6 +453,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     med = "n/a (not measured)" if v["median"] is None else f"{v['median']:.1%} (p90 {v['p90']:.1%})"
                     print(f"  {op:<26} {med}")
         print(f"median_op_error         {out['median_op_error']:.1%} (target {out['op_error_target']:.0%})")
+        print(f"p90_op_error            {out['p90_op_error']:.1%} (target {out['p90_op_error_target']:.0%}; every "
+              "held-out operator point, pooled)")
+        for cls, v in out["per_class"].items():
+            print(f"  {cls:<22} median {v['median']:.1%}, p90 {v['p90']:.1%}, worst {v['worst']:.1%} "
+                  f"({v['rows']} points)")
         dec = out["decode_per_token_error"]
         print(f"decode_per_token_error  median {dec['median']:.1%}, p90 {dec['p90']:.1%}, max {dec['max']:.1%}, "
               f"{dec['within_target']:.0%} of {dec['points']} points within {dec['target']:.0%}")
