@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 RF = [sys.executable, "-m", "workers.cli"]
 SIM_KEYS = ["completed", "dropped", "p50_ms", "p95_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms", "throughput_rps",
             "output_tokens_per_s", "mean_gpu_mem_util", "node_p95_std_ms", "preemptions", "prefix_hit_rate",
-            "sim_wall_s"]
+            "sim_wall_s", "peak_rss_mb"]
 
 
 def rf(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -29,6 +29,7 @@ def test_sim_run_prints_every_key_and_is_deterministic(tmp_path: Path) -> None:
     assert all(k in da for k in SIM_KEYS), [k for k in SIM_KEYS if k not in da]
     assert da["completed"] + da["dropped"] == 3000 and da["dropped"] == 0
     da.pop("sim_wall_s"), db.pop("sim_wall_s"), da.pop("requests_per_wall_s"), db.pop("requests_per_wall_s")
+    assert 0 < da.pop("peak_rss_mb") < 2048 and 0 < db.pop("peak_rss_mb") < 2048
     assert da == db, "same seed, same trace: the same JSON"
     other = json.loads(rf(*args, "--seed", "1").stdout.strip().splitlines()[-1])
     assert other["completed"] == 3000

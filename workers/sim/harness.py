@@ -126,7 +126,17 @@ def run_once(config: RackflowConfig, reqs: list[TraceRequest], params: SimParams
     out["requests_per_wall_s"] = round(len(reqs) / wall) if wall > 0 else 0
     out["gpus"] = sum(config.node(n).tp for n in res.node_names)
     out["sim_compiled"] = is_compiled()
+    out["peak_rss_mb"] = peak_rss_mb()
     return out, res
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (trace loading, superposing and the run included), MB: Linux
+    reports `ru_maxrss` in KiB, macOS in bytes."""
+    import resource
+
+    peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return round(peak / (1024.0 * 1024.0) if sys.platform == "darwin" else peak / 1024.0, 1)
 
 
 @contextlib.contextmanager
