@@ -451,21 +451,21 @@ def wait_quiet(limit_s: float = 120.0, window_s: float = 5.0, progress: bool = T
 
 
 def live_runs(k: int = 3, requests: int = 300, load: float = 0.35, nodes: int = 1, progress: bool = True,
-              keep_dir: Path | None = None, retries: int = 1) -> dict[str, Any]:
+              keep_dir: Path | None = None, retries: int = 1, quiet_limit_s: float = 120.0) -> dict[str, Any]:
     """`live_vs_sim` `k` times, each on a fresh cluster with its own profile (nothing carried from one run to the
     next), and what differed between the runs: the profile's decode and prefill price, the engine's speed in the
     run against its profile, the dispatch hops, and the contention on the engine's cores (its own share, what
     other processes took, what the hypervisor stole) during the profile and during the run. Before each run it
-    waits for a quiet machine (`wait_quiet`); a run that other processes disturbed anyway (`disturbed`) runs again,
-    up to `retries` times. Each run keeps its attempts (`attempts`: error, machine share taken by others); the run
-    counted is its last attempt, disturbed or not."""
+    waits for a quiet machine (`wait_quiet`, at most `quiet_limit_s`); a run that other processes disturbed anyway
+    (`disturbed`) runs again, up to `retries` times. Each run keeps its attempts (`attempts`: error, machine share
+    taken by others); the run counted is its last attempt, disturbed or not."""
     if k < 1:
         raise ValueError(f"--live-runs must be at least 1, got {k}")
     runs = []
     for i in range(k):
         attempts: list[dict[str, Any]] = []
         for a in range(1 + max(0, retries)):
-            quiet = wait_quiet(progress=progress)
+            quiet = wait_quiet(quiet_limit_s, progress=progress)
             _log(f"live run {i + 1} of {k}" + (f", attempt {a + 1}" if a else ""), progress)
             name = f"run-{i + 1}" + (f"-attempt-{a + 1}" if a else "")
             r = live_vs_sim(requests, load, nodes, progress, (Path(keep_dir) / name) if keep_dir else None)
