@@ -40,7 +40,7 @@ class ShedReason(enum.Enum):
     UNDER_SHARE = "over the bound, but its tenant holds less than an equal share of it"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Verdict:
     admit: bool
     reason: ShedReason
@@ -48,6 +48,15 @@ class Verdict:
     """Seconds until the queue ahead drains at the recent completion rate (for a shed request)."""
     wait_s: float | None = None
     """The predicted wait of the queue ahead (None: no completion rate measured yet)."""
+
+    def __init__(self, admit: bool, reason: ShedReason, retry_after_s: int | None = None,
+                 wait_s: float | None = None) -> None:
+        # written out, and not frozen: compiled, a dataclass's generated __init__ stays interpreted (see
+        # pipeline.routing.views.RackView.__init__)
+        self.admit = admit
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.wait_s = wait_s
 
 
 class Admission:

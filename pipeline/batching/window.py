@@ -89,7 +89,7 @@ class PendingRequest:
         return f"PendingRequest({self.request.request_id!r}, waited={self.windows_waited})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class DispatchChoice:
     """One node-policy decision: which requests it placed on which node, and what it saw."""
 
@@ -99,14 +99,33 @@ class DispatchChoice:
     draw: float
     scores: Mapping[str, float]
 
+    def __init__(self, policy: str, node: str, request_ids: tuple[str, ...], draw: float,
+                 scores: Mapping[str, float]) -> None:
+        # written out, and not frozen: compiled, a dataclass's generated __init__ stays interpreted (see
+        # pipeline.routing.views.RackView.__init__); nothing assigns to it after
+        self.policy = policy
+        self.node = node
+        self.request_ids = request_ids
+        self.draw = draw
+        self.scores = scores
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True, unsafe_hash=True)
 class BatchPlan:
     node: str
     requests: tuple[PendingRequest, ...]
     mem_est_kb: float
     budget_kb: float
     choices: tuple[DispatchChoice, ...] = ()
+
+    def __init__(self, node: str, requests: tuple[PendingRequest, ...], mem_est_kb: float, budget_kb: float,
+                 choices: tuple[DispatchChoice, ...] = ()) -> None:
+        # written out, not frozen: see DispatchChoice.__init__
+        self.node = node
+        self.requests = requests
+        self.mem_est_kb = mem_est_kb
+        self.budget_kb = budget_kb
+        self.choices = choices
 
     @property
     def utilisation(self) -> float:
@@ -144,13 +163,22 @@ class StopReason(enum.Enum):
     NO_BUDGET = "nothing left fits any node's budget"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class WindowOutcome:
     plans: tuple[BatchPlan, ...]
     rejections: tuple[Rejection, ...]
     waiting: int
     reserved_node: str | None
     stop: StopReason
+
+    def __init__(self, plans: tuple[BatchPlan, ...], rejections: tuple[Rejection, ...], waiting: int,
+                 reserved_node: str | None, stop: StopReason) -> None:
+        # written out, not frozen: see DispatchChoice.__init__
+        self.plans = plans
+        self.rejections = rejections
+        self.waiting = waiting
+        self.reserved_node = reserved_node
+        self.stop = stop
 
     @property
     def choices(self) -> tuple[DispatchChoice, ...]:

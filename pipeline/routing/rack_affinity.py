@@ -16,6 +16,7 @@ a replay fed a recording from its start re-decides it exactly; one that starts m
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,17 @@ class RackSummary:
     """Active nodes of the healthy racks (a rack whose node count is not known counts as one): the share guard's
     per-node mean."""
 
+    def __init__(self, model: str, healthy: tuple[RackView, ...], names: tuple[str, ...], by_work: bool,
+                 work_sum: float, load_sum: float, nodes_sum: int = 0) -> None:
+        # written out: see pipeline.routing.views.RackView.__init__
+        self.model = model
+        self.healthy = healthy
+        self.names = names
+        self.by_work = by_work
+        self.work_sum = work_sum
+        self.load_sum = load_sum
+        self.nodes_sum = nodes_sum
+
 
 @dataclass(slots=True, unsafe_hash=True)
 class RouteDecision:
@@ -51,6 +63,12 @@ class RouteDecision:
     primary: str
     """The rack the user's hash maps to (affinity); differs from `rack` when the walk skipped it."""
     reason: str
+
+    def __init__(self, rack: str | None, primary: str, reason: str) -> None:
+        # written out: see pipeline.routing.views.RackView.__init__
+        self.rack = rack
+        self.primary = primary
+        self.reason = reason
 
 
 class RackAffinityRouter:
@@ -144,13 +162,22 @@ class RackAffinityRouter:
                 nodes_sum += 1
         return RackSummary(model, tuple(healthy), tuple(names), by_work, work_sum, load_sum, nodes_sum)
 
+    def index(self, model: str, racks: Mapping[str, RackView]) -> RackIndex:
+        """A `RackIndex` of the model's racks, in this router's ring order, from the views now."""
+        return RackIndex(model, self._ring(model).members, racks)
+
     def route(self, user_id: str, model: str, racks: Mapping[str, RackView],
-              cached: Mapping[str, float] | None = None, summary: RackSummary | None = None) -> RouteDecision:
+              cached: Mapping[str, float] | None = None, summary: RackSummary | None = None,
+              index: RackIndex | None = None) -> RouteDecision:
         """The rack for a request of `user_id`. `cached`: prompt tokens of the request's prefix each rack holds (from
         the racks' block index); used when the router is prefix-aware. `summary`: `summarize(model, racks)` of
-        these very views, when the caller keeps it (else it is computed here). With the share guard on, the choice
-        is counted in the router's own share ledger (a route is a decision, not a query)."""
+        these very views, when the caller keeps it (else it is computed here). `index`: a `RackIndex` of the model
+        kept up to date with these views by the caller (the same decision, without a pass over every rack, while
+        its sums are exact). With the share guard on, the choice is counted in the router's own share ledger (a
+        route is a decision, not a query)."""
         ring = self._ring(model)
+        if index is not None and summary is None and index.model == model and index.exact and index.by_work:
+            return self._route_indexed(user_id, ring, index, cached)
         if summary is None or summary.model != model:
             summary = self.summarize(model, racks)
         healthy, names, by_work = summary.healthy, summary.names, summary.by_work
@@ -209,25 +236,105 @@ class RackAffinityRouter:
             reason = "walked"
         return self._decided(user_id, RouteDecision(chosen_m, primary, reason))
 
+    def _route_indexed(self, user_id: str, ring: HashRing, index: RackIndex,
+                       cached: Mapping[str, float] | None) -> RouteDecision:
+        """`route` over a `RackIndex` (exact sums, every healthy rack's node count known): the same decision."""
+        pos = ring.start(user_id)
+        primary = ring.owner_at(pos)
+        n = index.healthy_count
+        if n == 0:
+            return RouteDecision(None, primary, "no healthy rack")
+        bound = self.load_bound * (index.work_sum / n) + self.work_slack
+        share_limit, share_hard = self._limits(n, index.nodes_sum, None, index, user_id)
+        routed = self._routed
+        views = index.views
+        if not self.prefix_aware:
+            found = ring.first_from(pos, _WithinBound(views, True, bound, routed, share_limit))
+            if found is not None:
+                return self._decided(user_id, RouteDecision(found, primary,
+                                                            "affinity" if found == primary else "walked"))
+            return self._decided(user_id, RouteDecision(_least(index.healthy_views(), True, None), primary,
+                                                        "all racks over load bound"))
+        hits = cached or {}
+        aff = self.affinity_tokens
+        share_hit = self.share_hit_tokens
+        order = index.order
+        members = index.members
+        # the racks the request names (its prefix's, its primary): priced as the pass prices them
+        named = set(hits)
+        named.add(primary)
+        ties: list[int] = []
+        best = math.inf
+        for m in named:
+            idx = order.get(m, -1)
+            v = views.get(m)
+            if idx < 0 or v is None or not v.healthy:
+                continue
+            lv = _load(v, True)
+            h = hits.get(m, 0.0)
+            if lv > bound or not _within_share(routed, m, v, share_hard if h >= share_hit else share_limit):
+                continue
+            c = -h + lv - (aff if m == primary else 0.0)
+            if c < best:
+                ties, best = [idx], c
+            elif c == best:
+                ties.append(idx)
+        # the others cost their load (-0.0 + load - 0.0): the least loaded acceptable ones, in order, until one
+        # costs more than the best (or is over the bound: so is every later one)
+        plain_limit = share_hard if share_hit <= 0.0 else share_limit
+        for lv, idx in index.ascending():
+            if lv > bound or lv > best:
+                break
+            m = members[idx]
+            if m in named or not _within_share(routed, m, views[m], plain_limit):
+                continue
+            if lv < best:
+                ties, best = [idx], lv
+            else:
+                ties.append(idx)
+        if not ties:
+            return self._decided(user_id, RouteDecision(_least(index.healthy_views(), True, hits), primary,
+                                                        "all racks over load bound"))
+        ties.sort()  # ring order, as the pass meets them; then min by ring distance: the first of the nearest
+        chosen_m = members[ties[0]]
+        if len(ties) > 1:
+            near = ring.distance(pos, chosen_m)
+            for idx in ties[1:]:
+                d = ring.distance(pos, members[idx])
+                if d < near:
+                    chosen_m, near = members[idx], d
+        if chosen_m == primary:
+            reason = "affinity"
+        elif hits.get(chosen_m, 0.0) > hits.get(primary, 0.0):
+            reason = "prefix"
+        else:
+            reason = "walked"
+        return self._decided(user_id, RouteDecision(chosen_m, primary, reason))
+
     def _share_limits(self, summary: RackSummary, user_id: str) -> tuple[float, float]:
+        return self._limits(len(summary.names), summary.nodes_sum, summary.names, None, user_id)
+
+    def _limits(self, n_names: int, nodes_sum: int, names: Sequence[str] | None, index: RackIndex | None,
+                user_id: str) -> tuple[float, float]:
         """The share guard's bound on a rack's routed requests per node, for a request of `user_id`: share_bound x
         the healthy racks' mean per node + share_slack requests; halfway to it (1 + epsilon/2) for a heavy user, one
         with at least `share_heavy` of a rack's fair share of the requests to itself, so that an over-full rack sheds
-        its heavy users first and its light users keep their rack; infinite with the guard off."""
-        if self.share_bound <= 0.0 or summary.nodes_sum <= 0:
+        its heavy users first and its light users keep their rack; infinite with the guard off. `n_names`,
+        `nodes_sum`: the healthy racks and their nodes; `names` (or, None, `index`): the healthy racks in ring
+        order, summed when they are not every rack the router routes to."""
+        if self.share_bound <= 0.0 or nodes_sum <= 0:
             return math.inf, math.inf
         routed = self._routed
-        if len(summary.names) == len(routed):
+        if n_names == len(routed):
             total = self._routed_total
         else:
             total = 0.0
-            for m in summary.names:
+            for m in (names if names is not None else index.healthy_names() if index is not None else ()):
                 total += routed[m]
-        mean = total / summary.nodes_sum
+        mean = total / nodes_sum
         slack = self.share_slack * self._unit
         hard = self.share_bound * mean + slack
-        if self.share_heavy > 0.0 and self._user_routed.get(user_id, 0.0) >= self.share_heavy * total / len(
-                summary.names):
+        if self.share_heavy > 0.0 and self._user_routed.get(user_id, 0.0) >= self.share_heavy * total / n_names:
             return (1.0 + (self.share_bound - 1.0) / 2.0) * mean + slack, hard
         return hard, hard
 
@@ -256,6 +363,144 @@ class RackAffinityRouter:
         """Each rack's fraction of the (decayed) requests this router has routed (empty before any)."""
         total = self._routed_total
         return {m: w / total for m, w in self._routed.items()} if total > 0 else {}
+
+
+class RackIndex:
+    """The views of one model's racks as its router reads them, kept as they change: the healthy racks ordered by
+    load (work per node), and their sums. A caller that owns the views and says which one changed (the simulator:
+    `update`) lets `RackAffinityRouter.route` read a few racks per request instead of all of them, and decide exactly
+    as the pass over every rack would:
+    - the sums: a float sum depends on its order in its last bits, and the pass sums in ring-member order. The sums
+      kept here are used only while every term is a multiple of 1/8 under 2^40 (token counts over 1, 2, 4 or 8
+      nodes): then every partial sum is exact whatever the order, and equal to the pass's. Otherwise (a rack of 3
+      nodes, say), `exact` is False and the router sums in ring order as before;
+    - the choice: the cheapest acceptable rack is among the ones the request names (its cached prefix, its primary)
+      and the least loaded acceptable one of the rest; a tie is broken as the pass breaks it (ring distance, then
+      ring order), over every rack at the winning cost."""
+
+    __slots__ = (
+        "_key",
+        "_small",
+        "_sorted",
+        "_term",
+        "_unknown",
+        "by_work",
+        "exact_terms",
+        "load_sum",
+        "members",
+        "model",
+        "nodes_sum",
+        "order",
+        "views",
+        "work_sum",
+    )
+
+    def __init__(self, model: str, members: Sequence[str], views: Mapping[str, RackView]) -> None:
+        self.model = model
+        self.members = tuple(members)
+        self.order = {m: i for i, m in enumerate(self.members)}
+        """Each member's place in ring-member order."""
+        self._small = len(self.members) < 1024
+        """Few enough terms (each under 2^40) for an exact sum under 2^50 (1/8 resolution within 53 bits)."""
+        self.views: dict[str, RackView] = {}
+        """The current view of each member (healthy or not)."""
+        self._sorted: list[tuple[float, int]] = []
+        """(work per node, ring index) of the healthy members that know their node count, ascending."""
+        self._key: dict[str, tuple[float, int]] = {}
+        self._term: dict[str, tuple[float, float]] = {}
+        """Per healthy member: (work per node, load) as added to the sums."""
+        self._unknown = 0
+        """Healthy members with no node count (balance on load: the pass's `by_work` is False)."""
+        self.exact_terms = 0
+        """Healthy members whose terms are NOT on the exact grid (the sums are exact while this is 0)."""
+        self.work_sum = 0.0
+        self.load_sum = 0.0
+        self.nodes_sum = 0
+        self.by_work = True
+        for m in self.members:
+            v = views.get(m)
+            if v is not None:
+                self.update(v)
+
+    @property
+    def exact(self) -> bool:
+        return self._small and self.exact_terms == 0
+
+    def healthy_names(self) -> list[str]:
+        """The healthy members, in ring-member order."""
+        term = self._term
+        return [m for m in self.members if m in term]
+
+    def healthy_views(self) -> list[RackView]:
+        """Their views, in the same order."""
+        return [self.views[m] for m in self.healthy_names()]
+
+    @property
+    def healthy_count(self) -> int:
+        return len(self._term)
+
+    def update(self, v: RackView) -> None:
+        """The view of member `v.name` is now `v` (a name not on this ring is ignored)."""
+        m = v.name
+        idx = self.order.get(m)
+        if idx is None:
+            return
+        self._remove(m)
+        self.views[m] = v
+        if not v.healthy:
+            return
+        if v.nodes > 0:
+            wpn = v.work / v.nodes
+            self.nodes_sum += v.nodes
+            key = (wpn, idx)
+            bisect.insort(self._sorted, key)
+            self._key[m] = key
+        else:
+            wpn = 0.0
+            self.nodes_sum += 1
+            self._unknown += 1
+        self._term[m] = (wpn, v.load)
+        if not (_on_grid(wpn) and _on_grid(v.load)):
+            self.exact_terms += 1
+        self.work_sum += wpn
+        self.load_sum += v.load
+        self.by_work = self._unknown == 0
+
+    def _remove(self, m: str) -> None:
+        term = self._term.pop(m, None)
+        if term is None:
+            return
+        v = self.views[m]
+        wpn, load = term
+        key = self._key.pop(m, None)
+        if key is not None:
+            i = bisect.bisect_left(self._sorted, key)
+            del self._sorted[i]
+            self.nodes_sum -= v.nodes
+        else:
+            self.nodes_sum -= 1
+            self._unknown -= 1
+        if not (_on_grid(wpn) and _on_grid(load)):
+            self.exact_terms -= 1
+        self.work_sum -= wpn
+        self.load_sum -= load
+        if not self._term:  # empty: start the sums over at exactly 0
+            self.work_sum = self.load_sum = 0.0
+        self.by_work = self._unknown == 0
+
+    def ascending(self) -> list[tuple[float, int]]:
+        """(work per node, ring index) of the healthy members with a node count, least loaded first (not a copy)."""
+        return self._sorted
+
+
+_GRID = 8.0
+_GRID_MAX = 2.0 ** 40
+
+
+def _on_grid(x: float) -> bool:
+    """A multiple of 1/8 under 2^40: sums of fewer than 2^10 such terms are exact in a double, in any order."""
+    y = x * _GRID
+    return abs(x) < _GRID_MAX and y == math.floor(y)
 
 
 USER_CACHE = 100_000

@@ -18,6 +18,15 @@ class RackView:
     nodes: int = 0
     """Active nodes of the rack (the work is compared per node); 0: work not known, balance on `load`."""
 
+    def __init__(self, name: str, healthy: bool, load: float, work: float = 0.0, nodes: int = 0) -> None:
+        # written out (not the dataclass's): compiled, the generated __init__ stays interpreted (6x slower); the
+        # simulator builds millions of these. tests/unit/test_native_init.py keeps it equal to the fields.
+        self.name = name
+        self.healthy = healthy
+        self.load = load
+        self.work = work
+        self.nodes = nodes
+
     @property
     def work_per_node(self) -> float:
         return self.work / self.nodes if self.nodes > 0 else 0.0
@@ -64,6 +73,33 @@ class NodeView:
     batch_prefill_tokens: int = 0
     """Of `prefill_tokens`, the batch sequences' (an interactive request's prefill goes first: it does not wait
     behind them)."""
+
+    def __init__(self, name: str, active: bool, vram_total_gb: float, free_vram_gb: float, pcie_util_pct: float,
+                 avg_latency_ms: float, kv_capacity_kb: float, kv_free_kb: float, running: int, waiting: int,
+                 prefill_tokens: int = 0, decode_seqs: int = 0, decode_tokens: int = 0, kv_usage: float = 0.0,
+                 slowdown: float = 1.0, max_seqs: int = 0, prefill_slowdown: float | None = None,
+                 batch_seqs: int = 0, batch_kv_kb: float = 0.0, batch_prefill_tokens: int = 0) -> None:
+        # written out: see RackView.__init__
+        self.name = name
+        self.active = active
+        self.vram_total_gb = vram_total_gb
+        self.free_vram_gb = free_vram_gb
+        self.pcie_util_pct = pcie_util_pct
+        self.avg_latency_ms = avg_latency_ms
+        self.kv_capacity_kb = kv_capacity_kb
+        self.kv_free_kb = kv_free_kb
+        self.running = running
+        self.waiting = waiting
+        self.prefill_tokens = prefill_tokens
+        self.decode_seqs = decode_seqs
+        self.decode_tokens = decode_tokens
+        self.kv_usage = kv_usage
+        self.slowdown = slowdown
+        self.max_seqs = max_seqs
+        self.prefill_slowdown = prefill_slowdown
+        self.batch_seqs = batch_seqs
+        self.batch_kv_kb = batch_kv_kb
+        self.batch_prefill_tokens = batch_prefill_tokens
 
     @property
     def idle(self) -> bool:

@@ -64,11 +64,33 @@ class SimSeq:
     """Its class (pipeline/priority.py): 0 interactive, 1 batch. Interactive sequences are admitted and prefilled
     first; one that finds no free slot or no KV room preempts a batch sequence when `preempt_batch` is on."""
 
+    def __init__(self, rid: int, prompt: int, remaining: int, mem_est_kb: float, prefix: tuple[int, ...] = (),
+                 cached: int = 0, prefilled: int = 0, finish_step: int = 0, started_step: int = 0,
+                 admitted_ms: float = 0.0, host_tokens: int = 0, resident: bool = False, priority: int = 0) -> None:
+        # written out: see pipeline.routing.views.RackView.__init__
+        self.rid = rid
+        self.prompt = prompt
+        self.remaining = remaining
+        self.mem_est_kb = mem_est_kb
+        self.prefix = prefix
+        self.cached = cached
+        self.prefilled = prefilled
+        self.finish_step = finish_step
+        self.started_step = started_step
+        self.admitted_ms = admitted_ms
+        self.host_tokens = host_tokens
+        self.resident = resident
+        self.priority = priority
+
 
 @dataclass(slots=True)
 class FinishedSeq:
     rid: int
     finish_ms: float
+
+    def __init__(self, rid: int, finish_ms: float) -> None:
+        self.rid = rid
+        self.finish_ms = finish_ms
 
 
 @dataclass(slots=True)
@@ -77,6 +99,13 @@ class StepResult:
     finished: list[FinishedSeq] = field(default_factory=list)
     freed: bool = False
     """KV memory or a running slot was released (the batcher may have room now)."""
+
+    def __init__(self, first_tokens: list[tuple[int, float]] | None = None, finished: list[FinishedSeq] | None = None,
+                 freed: bool = False) -> None:
+        # written out: see pipeline.routing.views.RackView.__init__ (None: a new empty list, as the factories)
+        self.first_tokens = [] if first_tokens is None else first_tokens
+        self.finished = [] if finished is None else finished
+        self.freed = freed
 
 
 class SimNode:

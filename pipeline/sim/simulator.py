@@ -36,7 +36,7 @@ from pipeline.health import HealthSample, HealthScorer
 from pipeline.profiling import estimate_mem_kb, expected_out_tokens
 from pipeline.replay import policy_context
 from pipeline.routing.prefix_index import BlockIndex
-from pipeline.routing.rack_affinity import RackSummary, keeps_prefix_cache, rack_cached_tokens
+from pipeline.routing.rack_affinity import RackIndex, RackSummary, keeps_prefix_cache, rack_cached_tokens
 from pipeline.routing.registry import NodePolicySet, build_router
 from pipeline.routing.views import NodeView, RackView
 from pipeline.sim.control_plane import ControlPlaneCosts, Station
@@ -250,6 +250,12 @@ class Simulator:
         rebuilds only the views of the nodes that changed since the last one. With `check_invariants` every cached
         view is compared with a fresh one."""
         self.rack_views = {r: RackView(r, True, 0.0) for r in self.racks}
+        self._rack_index: dict[str, RackIndex] = {
+            m: self.router.index(m, self.rack_views) for m in self.router.models()}
+        """Per model, the router's view of its racks kept as they change (`_set_rack_view`): a route reads a few
+        racks, not all 160 of a 10 k GPU cluster, and decides the same (`RackIndex`)."""
+        self._indexes_of: dict[str, list[RackIndex]] = {
+            r: [ix for ix in self._rack_index.values() if r in ix.order] for r in self.racks}
         self.node_rack = {spec.name: r.name for r in config.cluster.racks for spec in r.expanded()}
         self._views_at = -math.inf
         self._refresh_ms = float(pol.node_selection.refresh_ms)
@@ -429,11 +435,17 @@ class Simulator:
         )
         return v
 
+    def _set_rack_view(self, v: RackView) -> None:
+        """A rack's view as the router reads it is now `v` (every change goes through here: the indexes follow)."""
+        self.rack_views[v.name] = v
+        for ix in self._indexes_of[v.name]:
+            ix.update(v)
+
     def _rack_load(self, rack: _Rack, delta: int) -> None:
         rack.outstanding += delta
         healthy = any(self.nodes[i].accepting for i in rack.nodes)
         v = self.rack_views[rack.name]
-        self.rack_views[rack.name] = RackView(rack.name, healthy, float(rack.outstanding), v.work, v.nodes)
+        self._set_rack_view(RackView(rack.name, healthy, float(rack.outstanding), v.work, v.nodes))
 
     def _refresh_rack_work(self, now: float) -> None:
         """The racks' work as the live router sees it: re-read every `refresh_ms` (in between, the router adds what
@@ -453,7 +465,7 @@ class Simulator:
             for p in rack.batcher.pending:
                 work += p.request.in_tokens + dw
             v = self.rack_views[rack.name]
-            self.rack_views[rack.name] = RackView(rack.name, v.healthy, v.load, work, active)
+            self._set_rack_view(RackView(rack.name, v.healthy, v.load, work, active))
 
     # -- requests --------------------------------------------------------------------------------------------------
     def _arrive(self, rid: int, now: float) -> None:
@@ -497,14 +509,15 @@ class Simulator:
         if self.router.prefix_aware and tr.prefix_hashes and self.params.prefix_cache:
             cached = rack_cached_tokens(self.blocks.matches(tr.prefix_hashes), self.node_rack,
                                         prof.prefix_block_tokens, tr.in_tokens)
-        d = self.router.route(tr.user_id or f"anon-{rid}", model_name, self.rack_views, cached)
+        d = self.router.route(tr.user_id or f"anon-{rid}", model_name, self.rack_views, cached,
+                              index=self._rack_index.get(model_name))
         if d.rack is None:
             self._drop(rid, "no healthy rack")
             return
         v = self.rack_views[d.rack]
-        self.rack_views[d.rack] = RackView(
+        self._set_rack_view(RackView(
             v.name, v.healthy, v.load, v.work + tr.in_tokens + self.config.policies.router.decode_weight_tokens,
-            v.nodes)
+            v.nodes))
         rule = self.config.policies.router.prefix_cache_rule
         keep = keeps_prefix_cache(rule.enabled, rule.min_tokens, tr.in_tokens, d, True)
         expected = self.expected_out[rid]

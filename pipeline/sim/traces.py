@@ -36,6 +36,20 @@ class TraceRequest:
     priority: int = 0
     """Its class (pipeline/priority.py): 0 interactive, 1 batch."""
 
+    def __init__(self, arrival_ms: float, in_tokens: int, out_tokens: int, user_id: str = "",
+                 prefix_hashes: tuple[int, ...] = (), model: str = "", max_tokens: int | None = None, tenant: str = "",
+                 priority: int = 0) -> None:
+        # written out: see pipeline.routing.views.RackView.__init__
+        self.arrival_ms = arrival_ms
+        self.in_tokens = in_tokens
+        self.out_tokens = out_tokens
+        self.user_id = user_id
+        self.prefix_hashes = prefix_hashes
+        self.model = model
+        self.max_tokens = max_tokens
+        self.tenant = tenant
+        self.priority = priority
+
 
 class TraceError(RackflowError, ValueError):
     """A trace line cannot be parsed; the message names the line and the field."""

@@ -69,3 +69,56 @@ def test_distance_orders_members_as_the_walk() -> None:
         key = f"user-{k}"
         pos = ring.start(key)
         assert sorted(ring.members, key=lambda m: ring.distance(pos, m)) == ring.walk(key)
+
+
+@pytest.mark.parametrize("prefix_aware", [False, True])
+@pytest.mark.parametrize("share_bound", [0.0, 1.2])
+def test_indexed_choice_equals_the_pass_over_every_rack(prefix_aware: bool, share_bound: float) -> None:
+    """`RackIndex` (the simulator's: the views kept ordered as they change) gives `route` the same decision as the
+    pass over every rack, decision after decision (the share ledger moves with each), through ties at every load,
+    racks over the bound, racks going unhealthy and back, node counts whose sums are not exact (3 and 7 nodes: the
+    router then sums in ring order), racks of another model, and prefix hits."""
+    rng = random.Random(11 + int(prefix_aware) + int(10 * share_bound))
+    names = [f"r{i}" for i in range(40)]
+    other = [f"x{i}" for i in range(5)]
+    kw = dict(prefix_aware=prefix_aware, work_slack=512.0, load_slack=0.0, share_bound=share_bound,
+              share_window=16, share_heavy=0.05, share_hit_tokens=1024.0)
+    by_model = {"m": names, "o": other + names[:10]}
+    passed, indexed = RackAffinityRouter(by_model, 16, 1.1, **kw), RackAffinityRouter(by_model, 16, 1.1, **kw)
+    racks = {n: RackView(n, True, 0.0, 0.0, 8) for n in names + other}
+    index = indexed.index("m", racks)
+    fast = 0
+    for trial in range(6000):
+        for _ in range(rng.choice([1, 1, 2, 5])):  # views change as the simulator changes them: one at a time
+            n = rng.choice(names + other)
+            nodes = rng.choice([8, 8, 4, 7, 3]) if trial % 97 == 0 else rng.choice([8, 8, 8, 4])
+            v = RackView(n, rng.random() > 0.05, float(rng.choice([0, 1, 2, 5])),
+                         float(rng.choice([0, 256, 512, 1024, 4096, 4096 + 256])), nodes)
+            racks[n] = v
+            index.update(v)
+        cached = {n: float(rng.choice([256, 1024, 2048])) for n in rng.sample(names + other, rng.choice([0, 1, 3]))}
+        user = f"u{rng.randrange(60)}"
+        want = passed.route(user, "m", racks, cached)
+        got = indexed.route(user, "m", racks, cached, index=index)
+        fast += index.exact and index.by_work
+        assert (got.rack, got.primary, got.reason) == (want.rack, want.primary, want.reason), trial
+        assert indexed._routed == passed._routed
+    assert fast > 3000  # the indexed path ran (the rest: inexact sums, summed in ring order as the pass)
+
+
+def test_index_sums_equal_the_pass_while_exact() -> None:
+    rng = random.Random(5)
+    names = [f"r{i}" for i in range(160)]
+    rt = RackAffinityRouter({"m": names}, 16, 1.1)
+    racks = {n: RackView(n, True, 0.0, 0.0, 8) for n in names}
+    index = rt.index("m", racks)
+    for _ in range(20000):
+        n = rng.choice(names)
+        v = RackView(n, rng.random() > 0.02, float(rng.randrange(50)), float(rng.randrange(10**7)),
+                     rng.choice([8, 8, 8, 8, 4, 2, 1, 7]))
+        racks[n] = v
+        index.update(v)
+        s = rt.summarize("m", racks)
+        assert index.healthy_count == len(s.names) and index.nodes_sum == s.nodes_sum
+        if index.exact:
+            assert (index.work_sum, index.load_sum) == (s.work_sum, s.load_sum)

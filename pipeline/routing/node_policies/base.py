@@ -17,7 +17,7 @@ from pipeline.events import RequestEvent
 from pipeline.routing.views import NodeView
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class NodeChoice:
     node: str | None
     """None when no node is eligible."""
@@ -25,6 +25,13 @@ class NodeChoice:
     """The random draw used, -1 when the choice was deterministic."""
     scores: Mapping[str, float] = field(default_factory=dict)
     """What the policy saw per candidate (probabilities, costs or loads)."""
+
+    def __init__(self, node: str | None, draw: float = -1.0, scores: Mapping[str, float] | None = None) -> None:
+        # written out, and not frozen: compiled, a dataclass's generated __init__ stays interpreted (see
+        # pipeline.routing.views.RackView.__init__); None: a new empty dict, as the factory
+        self.node = node
+        self.draw = draw
+        self.scores = {} if scores is None else scores
 
 
 class StepTime(Protocol):
