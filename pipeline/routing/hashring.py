@@ -19,6 +19,9 @@ def stable_hash64(data: str) -> int:
 WALK_CACHE = 50_000
 """Keys whose ring order a HashRing remembers (then it starts over): 50 k users x a tuple of the racks, about
 65 MB at 160 racks."""
+START_CACHE = 200_000
+"""Keys whose start position a HashRing remembers (then it starts over): a user's requests hash their id once, not
+each time (about 30 MB full)."""
 
 
 class HashRing:
@@ -34,6 +37,7 @@ class HashRing:
         self._keys = [p for p, _ in points]
         self._owners = [m for _, m in points]
         self._walks: dict[str, tuple[str, ...]] = {}
+        self._starts: dict[str, int] = {}
         self._points_of: dict[str, list[int]] = {m: [] for m in self.members}
         """Each member's ring positions (indexes into the sorted points), ascending."""
         for i, m in enumerate(self._owners):
@@ -41,7 +45,13 @@ class HashRing:
 
     def start(self, key: str) -> int:
         """The ring position a key starts its walk at."""
-        return bisect.bisect(self._keys, stable_hash64(key)) % len(self._keys)
+        starts = self._starts
+        pos = starts.get(key, -1)
+        if pos < 0:
+            if len(starts) >= START_CACHE:
+                starts.clear()
+            pos = starts[key] = bisect.bisect(self._keys, stable_hash64(key)) % len(self._keys)
+        return pos
 
     def owner_at(self, position: int) -> str:
         return self._owners[position]
