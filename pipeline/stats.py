@@ -12,7 +12,18 @@ def percentile(values: Sequence[float], q: float) -> float:
     values (callers that must tell "no data" apart check emptiness first)."""
     if not values:
         return 0.0
+    return _interpolated(sorted(values), q)
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """`percentile` at each of `qs`, sorting the values once (a 2 M request report asks three of the same list)."""
+    if not values:
+        return [0.0 for _ in qs]
     s = sorted(values)
+    return [_interpolated(s, q) for q in qs]
+
+
+def _interpolated(s: Sequence[float], q: float) -> float:
     k = (len(s) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)

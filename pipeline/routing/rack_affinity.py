@@ -379,6 +379,7 @@ class RackIndex:
       ring order), over every rack at the winning cost."""
 
     __slots__ = (
+        "_dirty",
         "_key",
         "_small",
         "_sorted",
@@ -413,6 +414,8 @@ class RackIndex:
         """Healthy members with no node count (balance on load: the pass's `by_work` is False)."""
         self.exact_terms = 0
         """Healthy members whose terms are NOT on the exact grid (the sums are exact while this is 0)."""
+        self._dirty = False
+        """A term off the grid was in the sums: summed again from the terms once none is left."""
         self.work_sum = 0.0
         self.load_sum = 0.0
         self.nodes_sum = 0
@@ -445,10 +448,38 @@ class RackIndex:
         idx = self.order.get(m)
         if idx is None:
             return
-        self._remove(m)
+        old = self.views.get(m)
+        if old is not None and old.healthy and v.healthy and old.nodes == v.nodes and v.nodes > 0:
+            self._replace(m, idx, v)  # the common change: its load or work moved, nothing else
+        else:
+            self._remove(m)
+            self.views[m] = v
+            if v.healthy:
+                self._add(m, idx, v)
+        if self._dirty and self.exact_terms == 0:
+            self._resum()
+
+    def _replace(self, m: str, idx: int, v: RackView) -> None:
+        wpn0, load0 = self._term[m]
+        wpn = v.work / v.nodes
+        if wpn != wpn0:
+            sorted_ = self._sorted
+            del sorted_[bisect.bisect_left(sorted_, self._key[m])]
+            key = (wpn, idx)
+            bisect.insort(sorted_, key)
+            self._key[m] = key
+            self.work_sum += wpn - wpn0  # on the grid, both exact
+        if v.load != load0:
+            self.load_sum += v.load - load0
         self.views[m] = v
-        if not v.healthy:
-            return
+        self._term[m] = (wpn, v.load)
+        on0 = _on_grid(wpn0) and _on_grid(load0)
+        on1 = _on_grid(wpn) and _on_grid(v.load)
+        if on0 != on1 or not on1:
+            self.exact_terms += int(on0) - int(on1)
+            self._dirty = True
+
+    def _add(self, m: str, idx: int, v: RackView) -> None:
         if v.nodes > 0:
             wpn = v.work / v.nodes
             self.nodes_sum += v.nodes
@@ -462,6 +493,7 @@ class RackIndex:
         self._term[m] = (wpn, v.load)
         if not (_on_grid(wpn) and _on_grid(v.load)):
             self.exact_terms += 1
+            self._dirty = True
         self.work_sum += wpn
         self.load_sum += v.load
         self.by_work = self._unknown == 0
@@ -482,11 +514,22 @@ class RackIndex:
             self._unknown -= 1
         if not (_on_grid(wpn) and _on_grid(load)):
             self.exact_terms -= 1
+            self._dirty = True
         self.work_sum -= wpn
         self.load_sum -= load
         if not self._term:  # empty: start the sums over at exactly 0
             self.work_sum = self.load_sum = 0.0
         self.by_work = self._unknown == 0
+
+    def _resum(self) -> None:
+        """The sums again from their terms: a term off the grid has left, and the rounding it brought with it must
+        go too (every term is on the grid now, so any order gives the exact sum)."""
+        work = load = 0.0
+        for wpn, ld in self._term.values():
+            work += wpn
+            load += ld
+        self.work_sum, self.load_sum = work, load
+        self._dirty = False
 
     def ascending(self) -> list[tuple[float, int]]:
         """(work per node, ring index) of the healthy members with a node count, least loaded first (not a copy)."""

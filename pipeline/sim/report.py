@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.sim.simulator import SimResult
-from pipeline.stats import percentile
+from pipeline.stats import percentile, percentiles
 
 
 def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
@@ -35,17 +35,19 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
         a, b = finishes[len(finishes) // 4], finishes[3 * len(finishes) // 4]
         steady = (3 * len(finishes) // 4 - len(finishes) // 4) / max(1e-9, (b - a) / 1000.0)
     dropped = sum(1 for d in res.dropped if d)
+    e50, e95, e99 = percentiles(e2e, (50, 95, 99))
+    t50, t95, t99 = percentiles(ttft, (50, 95, 99))
     return {
         "requests": len(res.arrival),
         "completed": len(done),
         "dropped": dropped,
         "drop_reasons": dict(sorted(res.drop_reasons.items())),
-        "p50_ms": round(percentile(e2e, 50), 1),
-        "p95_ms": round(percentile(e2e, 95), 1),
-        "p99_ms": round(percentile(e2e, 99), 1),
-        "ttft_p50_ms": round(percentile(ttft, 50), 1),
-        "ttft_p95_ms": round(percentile(ttft, 95), 1),
-        "ttft_p99_ms": round(percentile(ttft, 99), 1),
+        "p50_ms": round(e50, 1),
+        "p95_ms": round(e95, 1),
+        "p99_ms": round(e99, 1),
+        "ttft_p50_ms": round(t50, 1),
+        "ttft_p95_ms": round(t95, 1),
+        "ttft_p99_ms": round(t99, 1),
         "small_p95_ms": round(percentile(small, 95), 1),
         "small_ttft_p95_ms": round(percentile(small_ttft, 95), 1),
         "small_requests": len(small),

@@ -122,3 +122,18 @@ def test_index_sums_equal_the_pass_while_exact() -> None:
         assert index.healthy_count == len(s.names) and index.nodes_sum == s.nodes_sum
         if index.exact:
             assert (index.work_sum, index.load_sum) == (s.work_sum, s.load_sum)
+
+
+def test_index_sums_drop_the_rounding_of_a_term_off_the_grid() -> None:
+    """A term off the grid (work over 3 or 7 nodes) rounds the running sum; once it has left, the sums are the pass's
+    again, to the last bit (found by search: without the re-sum this sequence ends 5e-7 off)."""
+    names = ["a", "b", "c"]
+    rt = RackAffinityRouter({"m": names}, 4, 1.1)
+    racks = {n: RackView(n, True, 0.0, 0.0, 8) for n in names}
+    index = rt.index("m", racks)
+    for n, work, nodes in [("a", 1.0, 3), ("c", 5.0, 1), ("c", 2.0**33, 8), ("a", 2.0**33, 3), ("a", 12345.0, 7),
+                           ("a", 1.0, 1)]:
+        racks[n] = RackView(n, True, 0.0, work, nodes)
+        index.update(racks[n])
+    assert index.exact
+    assert index.work_sum == rt.summarize("m", racks).work_sum == 2.0**30 + 1.0

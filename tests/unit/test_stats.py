@@ -6,13 +6,19 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.stats import percentile, stream_id_key, stream_id_ms
+from pipeline.stats import percentile, percentiles, stream_id_key, stream_id_ms
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=60), st.floats(0, 100))
 def test_percentile_is_numpys_linear_method(xs: list[float], q: float) -> None:
     assert np.isclose(percentile(xs, q), float(np.percentile(xs, q)), rtol=1e-9, atol=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), max_size=60), st.lists(st.floats(0, 100), max_size=4))
+def test_percentiles_are_each_percentile(xs: list[float], qs: list[float]) -> None:
+    assert percentiles(xs, qs) == [percentile(xs, q) for q in qs]
 
 
 def test_percentile_examples() -> None:

@@ -110,6 +110,8 @@ MODULES = (
     "pipeline/admission.py",
     "pipeline/sim/world.py",
     "pipeline/costmodel/online.py",
+    "pipeline/profiling.py",
+    "pipeline/priority.py",
 )
 """The modules a large run spends its time in (py-spy of the 10 k GPU hour). `pipeline/costmodel/calibrated.py` is
 not among them: mypyc's runtime type checks reject a float where its annotations say int (the calibration's sums),
