@@ -118,7 +118,7 @@ class NodeWorld:
         if self.noise_sigma <= 0:
             return 1.0
         s = self.noise_sigma / math.sqrt(max(1, steps))
-        return math.exp(self.rng.gauss(-s * s / 2.0, s))
+        return math.exp(gauss(self.rng, -s * s / 2.0, s))
 
     def stalls_ms(self, steps: int) -> float:
         """Extra time of the stalls among `steps` iterations (most often none)."""
@@ -126,3 +126,20 @@ class NodeWorld:
             return 0.0
         p_any = 1.0 - (1.0 - self.stall_prob) ** max(1, steps)
         return self.stall_ms if self.rng.random() < p_any else 0.0
+
+
+_TWOPI = 2.0 * math.pi
+
+
+def gauss(rng: random.Random, mu: float, sigma: float) -> float:
+    """`rng.gauss(mu, sigma)`, the same draw to the last bit and the same state after it (CPython's Box-Muller, its
+    spare value kept in `rng.gauss_next`), written out so that it compiles: the interpreted one was 2.4% of the
+    10 k GPU hour, once per engine iteration. `tests/unit/test_world.py` compares the two streams."""
+    z: float | None = rng.gauss_next  # type: ignore[attr-defined]
+    rng.gauss_next = None  # type: ignore[attr-defined]
+    if z is None:
+        x2pi = rng.random() * _TWOPI
+        g2rad = math.sqrt(-2.0 * math.log(1.0 - rng.random()))
+        z = math.cos(x2pi) * g2rad
+        rng.gauss_next = math.sin(x2pi) * g2rad  # type: ignore[attr-defined]
+    return mu + z * sigma

@@ -133,3 +133,21 @@ def test_the_live_sim_engine_stops_at_the_true_length_with_stop_and_learns_its_s
     assert done == {"a": (37, "stop"), "b": (20, "length")}
     st = eng.stats()
     assert st.slowdown != 1.0 and st.prefill_slowdown > 0  # learned from its own iterations, not handed over
+
+
+def test_written_out_gauss_is_the_same_stream_as_randoms() -> None:
+    """`pipeline.sim.world.gauss` draws what `random.Random.gauss` draws, to the last bit, and leaves the generator
+    in the same state, interleaved with the generator's other draws and its own gauss (the spare value shared)."""
+    import random
+
+    from pipeline.sim.world import gauss
+
+    a, b = random.Random(12345), random.Random(12345)
+    for i in range(5000):
+        mu, sigma = (i % 7) * 0.1 - 0.3, 0.05 + (i % 5) * 0.2
+        if i % 11 == 0:
+            assert a.random() == b.random()
+        if i % 13 == 0:
+            assert a.gauss(mu, sigma) == b.gauss(mu, sigma)
+        assert gauss(a, mu, sigma) == b.gauss(mu, sigma)
+    assert a.getstate() == b.getstate()
