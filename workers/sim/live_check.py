@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -326,12 +327,18 @@ def live_vs_sim(requests: int = 300, load: float = 0.35, nodes: int = 1, progres
         # threads are not all pinned, so the engine's-core split of the run does not apply to it)
         every = sorted(set(cpus["engine_cpus"]) | set(cpus["other_cpus"]))
         p_before = _cpu_times(every, os.getpid(), "tree")
+        r_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         prof = subprocess.run([vpy, "-m", "workers.engines.vllm_profile", "--config-dir", str(REPO / "configs"),
                                "--config", str(cfg_path), "-o", str(work / "profile.json"), "--isolate",
                                *([] if progress else ["--no-progress"])],
                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, preexec_fn=_all_cpus,
                               stderr=None if progress else subprocess.DEVNULL, timeout=900)
-        p_contention = _contention(p_before, _cpu_times(every, os.getpid(), "tree"), len(every))
+        p_after = _cpu_times(every, os.getpid(), "tree")
+        # the profile's interpreter has exited by now: its CPU time is ours (a snapshot of the live tree no longer
+        # holds it, and without this the whole profile read as other processes' time)
+        r_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        p_after["engine_s"] += (r_after.ru_utime + r_after.ru_stime) - (r_before.ru_utime + r_before.ru_stime)
+        p_contention = _contention(p_before, p_after, len(every))
         if prof.returncode != 0:
             raise RuntimeError(f"the vLLM step profile failed (exit {prof.returncode})")
         profile = json.loads((work / "profile.json").read_text())
