@@ -37,8 +37,8 @@ def test_live_vs_sim_runs_whole_on_the_vllm_engine(tmp_path: Path, tiny_ckpt: Pa
         c = out[key]
         assert 0.0 <= c["foreign_share"] <= 1.0 and 0.0 <= c["steal_share"] <= 1.0 and 0.0 < c["engine_share"] <= 1.0
     # the profile's own interpreter (exited by the second snapshot) is counted as ours, not as other processes' time:
-    # it kept about one of the machine's cores busy
-    assert out["profile_contention"]["engine_share"] >= 0.2, out["profile_contention"]
+    # it keeps about one of the machine's cores busy (0.52 of the machine alone; a busy neighbour may halve it)
+    assert out["profile_contention"]["engine_share"] > 0.1, out["profile_contention"]  # 0.03 before; 0.52 alone
     assert out["cpus"]["shielded_threads"] >= 0
     if os.geteuid() == 0:  # a negative nice needs the right: root has it
         assert out["cpus"]["niced_threads"] > 0 and out["cpus"]["nice"] == -10
