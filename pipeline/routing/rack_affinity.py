@@ -221,8 +221,14 @@ class RackAffinityRouter:
         if not ties:
             return self._decided(user_id, RouteDecision(_least(healthy, by_work, hits), primary,
                                                         "all racks over load bound"))
+        return self._nearest(user_id, ring, pos, primary, ties, hits)
+
+    def _nearest(self, user_id: str, ring: HashRing, pos: int, primary: str, ties: Sequence[str],
+                 hits: Mapping[str, float]) -> RouteDecision:
+        """The decision among the cheapest acceptable racks `ties` (in ring-member order): the nearest to the key's
+        position on the ring, the first of the nearest; and why it was chosen."""
         chosen_m = ties[0]
-        if len(ties) > 1:  # min by ring distance: the first of the nearest
+        if len(ties) > 1:
             near = ring.distance(pos, chosen_m)
             for m in ties[1:]:
                 d = ring.distance(pos, m)
@@ -295,21 +301,8 @@ class RackAffinityRouter:
         if not ties:
             return self._decided(user_id, RouteDecision(_least(index.healthy_views(), True, hits), primary,
                                                         "all racks over load bound"))
-        ties.sort()  # ring order, as the pass meets them; then min by ring distance: the first of the nearest
-        chosen_m = members[ties[0]]
-        if len(ties) > 1:
-            near = ring.distance(pos, chosen_m)
-            for idx in ties[1:]:
-                d = ring.distance(pos, members[idx])
-                if d < near:
-                    chosen_m, near = members[idx], d
-        if chosen_m == primary:
-            reason = "affinity"
-        elif hits.get(chosen_m, 0.0) > hits.get(primary, 0.0):
-            reason = "prefix"
-        else:
-            reason = "walked"
-        return self._decided(user_id, RouteDecision(chosen_m, primary, reason))
+        ties.sort()  # ring order, as the pass meets them
+        return self._nearest(user_id, ring, pos, primary, [members[i] for i in ties], hits)
 
     def _share_limits(self, summary: RackSummary, user_id: str) -> tuple[float, float]:
         return self._limits(len(summary.names), summary.nodes_sum, summary.names, None, user_id)
