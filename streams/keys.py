@@ -44,6 +44,12 @@ def rack_blocks(rack: str) -> str:
     return f"rf:rack:{{{rack}}}:blocks"
 
 
+def rack_room(rack: str) -> str:
+    """Pub/sub channel: a node of the rack has room again (its worker rewrote its status after sequences finished;
+    the message is the node's name). The rack's batchers holding requests wake on it instead of at their next poll."""
+    return f"rf:room:{{{rack}}}"
+
+
 def node_batches(node: str) -> str:
     return f"rf:node:{{{node}}}:batch"
 

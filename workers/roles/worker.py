@@ -628,6 +628,11 @@ class Worker:
                               mapping=codec.encode(self.health_event()))  # type: ignore[arg-type]
         except RedisError as e:  # an outage, or an ACL without the grant: the heartbeat writes it (and says why)
             log.debug("node %s: room status not written (%s); the heartbeat will", self.node, e)
+            return
+        try:  # wake the rack's batchers that hold requests (they poll too: a lost message costs one poll interval)
+            await self.r.publish(keys.rack_room(self.rack), self.node)
+        except RedisError as e:
+            log.debug("node %s: room not announced (%s); the batchers' poll finds it", self.node, e)
 
     async def _publish_blocks(self, cleared: bool = False) -> None:
         """What the engine's prefix cache stored and evicted since the last step, for the batchers' and routers'
