@@ -599,6 +599,8 @@ class _Packing:
         self.late_age = batcher.policy.late_age_after_windows
         self.names = sorted(budgets)
         """The nodes with a budget, by name (a close only lowers their budgets: the keys stay)."""
+        self.serving: dict[str, list[str]] = {}
+        """Per model, the nodes of `names` that serve it, in their order (`serving_names`)."""
         self._all_views: list[NodeView] | None = None
         self.no_room: dict[tuple[str, bool], float] = {}
         """(model, held to the prefill horizon) -> the smallest memory of a request of that kind that found no node
@@ -611,6 +613,13 @@ class _Packing:
         if self._all_views is None:
             self._all_views = [self.views[n] for n in self.names]
         return self._all_views
+
+    def serving_names(self, model: str) -> list[str]:
+        names = self.serving.get(model)
+        if names is None:
+            b = self.b
+            names = self.serving[model] = [n for n in self.names if b.serves(n, model)]
+        return names
 
     def place(self, p: PendingRequest) -> bool:
         """Try to put one request on a node; True when placed."""
@@ -633,8 +642,8 @@ class _Packing:
         miss = self.no_room.get((req.model, late_h)) if self.skip_known_misses else None
         if miss is not None and mem >= miss:
             return False  # a request of this kind as small found no node: neither will this one
-        cands = [views[n] for n in self.names if budgets[n] >= mem and b.serves(n, req.model)
-                 and (not late_h or views[n].prefill_tokens < horizon)]
+        serving = self.serving_names(req.model)
+        cands = [views[n] for n in serving if budgets[n] >= mem and (not late_h or views[n].prefill_tokens < horizon)]
         if not cands:
             self.no_room[(req.model, late_h)] = min(mem, miss) if miss is not None else mem
             return False
@@ -642,7 +651,7 @@ class _Packing:
         # a request may wait here for a node that cannot take it now (its prefix is cached there) while it stays
         # free to go anywhere; the policy says for how long (asked for the first MAX_WAIT_CHECKS of a close)
         if waits is not None and self.checks < MAX_WAIT_CHECKS and len(cands) < len(
-                everyone := [views[n] for n in self.names if b.serves(n, req.model)]):
+                everyone := [views[n] for n in serving]):
             self.checks += 1
             if waits(everyone, cands, req, self.now_ms - p.enqueued_ms):
                 return False

@@ -114,7 +114,8 @@ class _Coefficients:
 
         self.layers = L
         self.decode_base: dict[int, float] = {}
-        self.dense: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self.dense: dict[int, tuple[float, float, float]] = {}
+        """`_dense_ms` by (tokens << 20) | seqs: an int key, hashed without a tuple built per lookup."""
         """`_dense_ms` by (tokens, sequences): a placement prices full chunks and decode steps of the same sizes over
         and over."""
         # linear ops: time(T) = max(c * rows(T), w + m * T) + c0, rows(T) = T rounded up to the GEMM tile
@@ -219,13 +220,16 @@ class CalibratedCostModel:
     def _dense_ms(self, tokens: int, seqs: int) -> tuple[float, float, float]:
         """(linear incl. LM head, all-reduce, element-wise) of a forward over `tokens` tokens of `seqs` sequences
         (memoised)."""
+        if not 0 <= seqs < 1 << 20 or tokens < 0:  # off the key's packing (no iteration has as many): not memoised
+            return self._dense_uncached(tokens, seqs)
         memo = self._c.dense
-        got = memo.get((tokens, seqs))
+        key = (tokens << 20) | seqs
+        got = memo.get(key)
         if got is None:
             got = self._dense_uncached(tokens, seqs)
             if len(memo) >= 65536:
                 memo.clear()
-            memo[(tokens, seqs)] = got
+            memo[key] = got
         return got
 
     def _dense_uncached(self, tokens: int, seqs: int) -> tuple[float, float, float]:
