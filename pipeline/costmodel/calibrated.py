@@ -315,6 +315,20 @@ class CalibratedCostModel:
         lin, attn, ar, other = parts
         return lin + attn + ar + other + self.overhead_ms
 
+    def chunk_ms(self, tokens: int, cached: int, decode_seqs: int, decode_kv_tokens: int) -> float:
+        """`step_ms([tokens], decode_seqs, decode_kv_tokens, [cached])` for `tokens` > 0, without the lists: a
+        placement prices a request's prefill on every node of its rack this way. The same arithmetic in the same
+        order as `_parts`' one-chunk case, so the same float (tests/unit/test_costmodel_chunk.py)."""
+        c = self._c
+        t = tokens
+        lin, ar, other = self._dense_ms(decode_seqs + t, decode_seqs + 1)
+        attn = max(c.pre_c_pair * (t * (t + 1) * 0.5 + t * cached), c.pre_m_tok * t + c.pre_m_cached * cached)
+        attn += c.attn_fixed
+        if decode_seqs > 0:
+            s1, b1, s2, b2 = self._decode_lines(decode_seqs)
+            attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
+        return lin + attn + ar + other + self.overhead_ms
+
     def prefill_ms(self, prompt_tokens: int, batch: int = 1) -> float:
         """One iteration prefilling `batch` prompts of `prompt_tokens` tokens (nothing cached)."""
         return self.step_ms([prompt_tokens] * batch, 0, 0)

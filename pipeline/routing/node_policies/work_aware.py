@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
 from pipeline.config import WorkAwareParams
+from pipeline.costmodel.calibrated import CalibratedCostModel
 from pipeline.events import RequestEvent
 from pipeline.routing.node_policies.base import NodeChoice, StepTime, outstanding
 from pipeline.routing.prefix_index import BlockIndex, PrefixIndex
@@ -89,6 +90,12 @@ class WorkAware:
         chunk = max(1, self.chunk - decode_seqs)
         full, rest = divmod(tokens, chunk)
         t = 0.0
+        if type(cost) is CalibratedCostModel:  # the same figures without a list per call (`chunk_ms`)
+            if full:
+                t += full * cost.chunk_ms(chunk, 0, decode_seqs, decode_kv)
+            if rest:
+                t += cost.chunk_ms(rest, cached, decode_seqs, decode_kv)
+            return t
         if full:
             t += full * cost.step_ms([chunk], decode_seqs, decode_kv)
         if rest:
