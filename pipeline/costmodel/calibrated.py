@@ -329,6 +329,18 @@ class CalibratedCostModel:
             attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
         return lin + attn + ar + other + self.overhead_ms
 
+    def decode_step_ms(self, decode_seqs: int, decode_kv_tokens: int) -> float:
+        """`step_ms([], decode_seqs, decode_kv_tokens)` without the list: the same arithmetic in the same order as
+        `_parts` with no prefill, so the same float (tests/unit/test_costmodel_chunk.py)."""
+        if decode_seqs <= 0:
+            return 0.0
+        c = self._c
+        lin, ar, other = self._dense_ms(decode_seqs, decode_seqs)
+        attn = 0.0
+        s1, b1, s2, b2 = self._decode_lines(decode_seqs)
+        attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
+        return lin + attn + ar + other + self.overhead_ms
+
     def prefill_ms(self, prompt_tokens: int, batch: int = 1) -> float:
         """One iteration prefilling `batch` prompts of `prompt_tokens` tokens (nothing cached)."""
         return self.step_ms([prompt_tokens] * batch, 0, 0)

@@ -1,5 +1,6 @@
-"""`CalibratedCostModel.chunk_ms` (a placement's list-free prefill price) is `step_ms` of one chunk to the last bit:
-the simulator's decisions depend on it (the digests of tests/integration/test_sim_compiled.py)."""
+"""`CalibratedCostModel.chunk_ms` and `decode_step_ms` (a placement's list-free prices) are `step_ms` of one chunk
+and of a decode-only iteration to the last bit: the simulator's decisions depend on them (the digests of
+tests/integration/test_sim_compiled.py)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,4 @@ def test_chunk_ms_is_step_ms_of_one_chunk_bit_for_bit() -> None:
             kv = d * rng.randrange(0, 4000)
             want = cost.step_ms([t], d, kv, [cached]) if cached else cost.step_ms([t], d, kv)
             assert cost.chunk_ms(t, cached, d, kv) == want, (t, cached, d, kv)
+            assert cost.decode_step_ms(d, kv) == cost.step_ms([], d, kv), (d, kv)

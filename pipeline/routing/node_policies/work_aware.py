@@ -120,7 +120,9 @@ class WorkAware:
             ttft += p.slot_weight * self.slot_wait_ms(v, req, s)
         total = ttft
         if p.e2e_weight and req.out_tokens > 1:
-            total += p.e2e_weight * (req.out_tokens - 1) * s * cost.step_ms([], d + 1, k + req.in_tokens)
+            step = (cost.decode_step_ms(d + 1, k + req.in_tokens) if type(cost) is CalibratedCostModel
+                    else cost.step_ms([], d + 1, k + req.in_tokens))
+            total += p.e2e_weight * (req.out_tokens - 1) * s * step
         behind = d + p.queue_weight * v.waiting
         if p.others_weight and behind and u:
             # the request's own share of that prefill: what its chunks add to the decoders' iterations
@@ -218,7 +220,9 @@ class WorkAware:
         if ahead <= 0:
             return 0.0
         d = max(1, v.decode_seqs or v.running)
-        step = s * self.cost_of(v.name).step_ms([], d, v.decode_tokens)
+        cost = self.cost_of(v.name)
+        step = s * (cost.decode_step_ms(d, v.decode_tokens) if type(cost) is CalibratedCostModel
+                    else cost.step_ms([], d, v.decode_tokens))
         return ahead * step * max(1, req.out_tokens) / (d + 1)
 
     def observe(self, node: str, req: RequestEvent) -> None:
