@@ -209,6 +209,9 @@ class WindowBatcher:
     """Interactive tenants' counters (fair_share)."""
     _waiting_tenants: frozenset[str] = frozenset()
     """Tenants with interactive requests left waiting by the last close."""
+    _caps_memo: dict[str, float] = field(default_factory=dict)
+    _caps_src: tuple[Mapping[str, float], Mapping[str, frozenset[str]] | None] | None = None
+    """`_cap_for`'s memo per model, and the `node_caps_kb` and `node_models` it was made from."""
 
     def _counter(self) -> VirtualTokenCounter:
         if self._vtc is None:
@@ -348,7 +351,17 @@ class WindowBatcher:
         return CloseReason.NOT_YET
 
     def _cap_for(self, model: str) -> float:
-        return max((c for n, c in self.node_caps_kb.items() if self.serves(n, model)), default=0.0)
+        """The largest node budget for `model` in this rack (memoised while `node_caps_kb` and `node_models` are
+        the same objects: each close asks it per model)."""
+        src = self._caps_src
+        if src is None or src[0] is not self.node_caps_kb or src[1] is not self.node_models:
+            self._caps_memo = {}
+            self._caps_src = (self.node_caps_kb, self.node_models)
+        got = self._caps_memo.get(model)
+        if got is None:
+            got = self._caps_memo[model] = max(
+                (c for n, c in self.node_caps_kb.items() if self.serves(n, model)), default=0.0)
+        return got
 
     def _to_aged(self, p: PendingRequest) -> None:
         self._seq += 1

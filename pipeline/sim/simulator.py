@@ -259,6 +259,11 @@ class Simulator:
         self.node_rack = {spec.name: r.name for r in config.cluster.racks for spec in r.expanded()}
         self._views_at = -math.inf
         self._refresh_ms = float(pol.node_selection.refresh_ms)
+        # read on every arrival: kept here, not looked up through the config's models each time
+        self._decode_weight = pol.router.decode_weight_tokens
+        self._pc_rule = pol.router.prefix_cache_rule
+        self._block_tokens = pol.profiling.prefix_block_tokens
+        self._window_ms = pol.batcher.window_ms
         self.admission = Admission(config.gateway) if params.admission else None
         self._horizon = pol.batcher.max_queued_prefill_tokens or math.inf
         # the gateway's own prediction of the rack (the router's policy without the prefix index, over request
@@ -500,7 +505,6 @@ class Simulator:
     def _route(self, rid: int, now: float) -> None:
         tr = self.reqs[rid]
         model_name = tr.model or self.default_model
-        prof = self.config.policies.profiling
         mem = self.mem_est[rid]
         cp = self._cp
         if cp is not None:
@@ -508,7 +512,7 @@ class Simulator:
         cached = None
         if self.router.prefix_aware and tr.prefix_hashes and self.params.prefix_cache:
             cached = rack_cached_tokens(self.blocks.matches(tr.prefix_hashes), self.node_rack,
-                                        prof.prefix_block_tokens, tr.in_tokens)
+                                        self._block_tokens, tr.in_tokens)
         d = self.router.route(tr.user_id or f"anon-{rid}", model_name, self.rack_views, cached,
                               index=self._rack_index.get(model_name))
         if d.rack is None:
@@ -516,9 +520,9 @@ class Simulator:
             return
         v = self.rack_views[d.rack]
         self._set_rack_view(RackView(
-            v.name, v.healthy, v.load, v.work + tr.in_tokens + self.config.policies.router.decode_weight_tokens,
+            v.name, v.healthy, v.load, v.work + tr.in_tokens + self._decode_weight,
             v.nodes))
-        rule = self.config.policies.router.prefix_cache_rule
+        rule = self._pc_rule
         keep = keeps_prefix_cache(rule.enabled, rule.min_tokens, tr.in_tokens, d, True)
         expected = self.expected_out[rid]
         mt = self.max_tokens[rid]
@@ -613,7 +617,7 @@ class Simulator:
         if reason == CloseReason.NOT_YET:
             if b.window_open_ms is None:
                 return  # batch work alone, and no node has a slot for it: a node's end (a slot freed) tries again
-            due = b.window_open_ms + self.config.policies.batcher.window_ms
+            due = b.window_open_ms + self._window_ms
             if rack.timer_at is None or rack.timer_at > due:
                 rack.timer_at = due
                 self._push(due, WINDOW, rack.name)
@@ -648,7 +652,7 @@ class Simulator:
                 t = rack.ready_at
             self._send(t + self.params.dispatch_latency_ms, i, seqs)
         if b.pending_count and b.window_open_ms is not None:
-            due = b.window_open_ms + self.config.policies.batcher.window_ms
+            due = b.window_open_ms + self._window_ms
             if rack.timer_at is None or rack.timer_at > due or rack.timer_at <= now:
                 rack.timer_at = due
                 self._push(due, WINDOW, rack.name)
