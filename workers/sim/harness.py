@@ -115,13 +115,13 @@ def run_once(config: RackflowConfig, reqs: list[TraceRequest], params: SimParams
         bar.refresh()
 
     t = time.perf_counter()
-    sim = Simulator(config, reqs, cost_factory(config), params=params, faults=faults, default_model=model,
-                    progress=tick if progress else None)
-    with quiet_gc():
+    with quiet_gc():  # the setup and the report too: millions of objects that make no cycles (see quiet_gc)
+        sim = Simulator(config, reqs, cost_factory(config), params=params, faults=faults, default_model=model,
+                        progress=tick if progress else None)
         res = sim.run()
-    wall = time.perf_counter() - t
-    bar.close()
-    out = summarize(res)
+        wall = time.perf_counter() - t
+        bar.close()
+        out = summarize(res)
     out["sim_wall_s"] = round(wall, 2)
     out["requests_per_wall_s"] = round(len(reqs) / wall) if wall > 0 else 0
     out["gpus"] = sum(config.node(n).tp for n in res.node_names)
@@ -173,6 +173,13 @@ def result_digest(res: SimResult) -> str:
 
 
 def prepare_requests(args: argparse.Namespace, seed: int) -> list[TraceRequest]:
+    """The run's requests: the trace, rate-scaled, with users, superposed. With the cyclic collector off
+    (`quiet_gc`): building the 10 k GPU hour's 2 M requests took 2.5 s with it, 0.7 s without."""
+    with quiet_gc():
+        return _prepare_requests(args, seed)
+
+
+def _prepare_requests(args: argparse.Namespace, seed: int) -> list[TraceRequest]:
     reqs = load_trace(args.trace, args.format, None if args.superpose > 1 else args.requests, seed)
     if args.rate_scale not in (None, 1.0):
         reqs = list(scale_rate(reqs, args.rate_scale))
