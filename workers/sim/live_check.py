@@ -26,8 +26,8 @@ What the spread of the P99 error was (2026-12-07), two causes:
   the room at once. In the runs that failed the live TTFT P99 was 445-563 ms against 290-390 simulated, the medians
   in agreement. The worker now announces room on its rack's pub/sub channel and the batcher wakes on it
   (`workers.roles.batcher`): the live TTFT P99 went to 281-349 ms.
-- On this shared VM the engine ran 0-25% slower in the run than in its own profile taken a minute before (its
-  speed belief), varying from run to run, and at the check's operating point (the node busy about 63% of the time
+- On this shared VM the engine ran at 0.89-1.11x its own profile's time, taken a minute before (its speed
+  belief), varying from run to run, and at the check's operating point (the node busy about 63% of the time
   with 4 slots) the TTFT P99 moves 3-4% per 1% of engine speed. The worker measures its speed anyway, for its
   price: the check simulates the engine at that speed (the live engine's CPU contention, modelled), so what it
   tests is the simulator's queues, batching and control plane given the engine's speed. On the profile alone the
