@@ -115,9 +115,8 @@ class _Coefficients:
         self.layers = L
         self.decode_base: dict[int, float] = {}
         self.dense: dict[int, tuple[float, float, float]] = {}
-        """`_dense_ms` by (tokens << 20) | seqs: an int key, hashed without a tuple built per lookup."""
-        """`_dense_ms` by (tokens, sequences): a placement prices full chunks and decode steps of the same sizes over
-        and over."""
+        """`_dense_ms` by (tokens << 20) | sequences (one int: no tuple built per lookup): a placement prices full
+        chunks and decode steps of the same sizes over and over."""
         # linear ops: time(T) = max(c * rows(T), w + m * T) + c0, rows(T) = T rounded up to the GEMM tile
         self.lin = tuple(linear(op, arch.ops[op], L) for op in LINEAR_OPS)
         self.lm_head = linear("lm_head", arch.ops["mlp_up_proj"], 1.0)
@@ -259,15 +258,10 @@ class CalibratedCostModel:
         """(linear, attention, all-reduce, other) of one iteration; None when it is empty."""
         c = self._c
         if len(prefill_tokens) == 1 and prefill_tokens[0] > 0:  # one chunk (a placement's pricing): the loop below
-            t = prefill_tokens[0]
-            cached = prefill_cached[0] if prefill_cached is not None else 0
-            lin, ar, other = self._dense_ms(decode_seqs + t, decode_seqs + 1)
-            attn = max(c.pre_c_pair * (t * (t + 1) * 0.5 + t * cached), c.pre_m_tok * t + c.pre_m_cached * cached)
-            attn += c.attn_fixed
-            if decode_seqs > 0:
-                s1, b1, s2, b2 = self._decode_lines(decode_seqs)
-                attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
-            return lin, attn, ar, other
+            return self._chunk_parts(prefill_tokens[0], prefill_cached[0] if prefill_cached is not None else 0,
+                                     decode_seqs, decode_kv_tokens)
+        if not prefill_tokens:  # decode only: the loop below
+            return self._decode_parts(decode_seqs, decode_kv_tokens) if decode_seqs > 0 else None
         tokens = seqs = decode_seqs
         pairs = 0.0
         new = cached_total = 0
@@ -315,30 +309,38 @@ class CalibratedCostModel:
         lin, attn, ar, other = parts
         return lin + attn + ar + other + self.overhead_ms
 
-    def chunk_ms(self, tokens: int, cached: int, decode_seqs: int, decode_kv_tokens: int) -> float:
-        """`step_ms([tokens], decode_seqs, decode_kv_tokens, [cached])` for `tokens` > 0, without the lists: a
-        placement prices a request's prefill on every node of its rack this way. The same arithmetic in the same
-        order as `_parts`' one-chunk case, so the same float (tests/unit/test_costmodel_chunk.py)."""
+    def _chunk_parts(self, t: int, cached: int, decode_seqs: int,
+                     decode_kv_tokens: int) -> tuple[float, float, float, float]:
+        """`_parts` of an iteration prefilling one chunk of `t` > 0 new tokens after `cached` ones."""
         c = self._c
-        t = tokens
         lin, ar, other = self._dense_ms(decode_seqs + t, decode_seqs + 1)
         attn = max(c.pre_c_pair * (t * (t + 1) * 0.5 + t * cached), c.pre_m_tok * t + c.pre_m_cached * cached)
         attn += c.attn_fixed
         if decode_seqs > 0:
             s1, b1, s2, b2 = self._decode_lines(decode_seqs)
             attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
+        return lin, attn, ar, other
+
+    def _decode_parts(self, n: int, decode_kv_tokens: int) -> tuple[float, float, float, float]:
+        """`_parts` of a decode-only iteration of n >= 1 sequences."""
+        lin, ar, other = self._dense_ms(n, n)
+        s1, b1, s2, b2 = self._decode_lines(n)
+        attn = 0.0
+        attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + self._c.attn_fixed
+        return lin, attn, ar, other
+
+    def chunk_ms(self, tokens: int, cached: int, decode_seqs: int, decode_kv_tokens: int) -> float:
+        """`step_ms([tokens], decode_seqs, decode_kv_tokens, [cached])` for `tokens` > 0, without the lists: a
+        placement prices a request's prefill on every node of its rack this way (the same parts, so the same float:
+        tests/unit/test_costmodel_chunk.py)."""
+        lin, attn, ar, other = self._chunk_parts(tokens, cached, decode_seqs, decode_kv_tokens)
         return lin + attn + ar + other + self.overhead_ms
 
     def decode_step_ms(self, decode_seqs: int, decode_kv_tokens: int) -> float:
-        """`step_ms([], decode_seqs, decode_kv_tokens)` without the list: the same arithmetic in the same order as
-        `_parts` with no prefill, so the same float (tests/unit/test_costmodel_chunk.py)."""
+        """`step_ms([], decode_seqs, decode_kv_tokens)` without the list (the same parts, so the same float)."""
         if decode_seqs <= 0:
             return 0.0
-        c = self._c
-        lin, ar, other = self._dense_ms(decode_seqs, decode_seqs)
-        attn = 0.0
-        s1, b1, s2, b2 = self._decode_lines(decode_seqs)
-        attn += max(s1 * decode_kv_tokens + b1, s2 * decode_kv_tokens + b2) + c.attn_fixed
+        lin, attn, ar, other = self._decode_parts(decode_seqs, decode_kv_tokens)
         return lin + attn + ar + other + self.overhead_ms
 
     def prefill_ms(self, prompt_tokens: int, batch: int = 1) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 MAX_TENANTS_PUBLISHED = 64
 """Tenants whose waiting requests a batcher publishes (the most waiting first) for the gateway's fair share."""
+ROOM_RESUBSCRIBE_S = 5.0
+"""How often a batcher whose room subscription failed (`_subscribe_room`) tries it again; it polls meanwhile."""
 IDLE_WAKE_S = 2.0
 """While the window is empty the tick and room loops wait for an arrival (which wakes them at once), waking on their
 own only this often: an idle batcher does not poll."""
@@ -264,6 +267,7 @@ class Batcher:
         interval = fast
         nodes = [n.name for r in self.config.cluster.racks if r.name == self.rack for n in r.expanded()]
         room = await self._subscribe_room()
+        retry_at = time.monotonic() + ROOM_RESUBSCRIBE_S
         try:
             while not stop.is_set():
                 if not self.window.pending_count:
@@ -285,6 +289,9 @@ class Batcher:
                     interval = fast
                 else:  # nothing changed (nodes full and busy on long sequences): read less, up to the full refresh
                     interval = min(slow, interval * 2)
+                if room is None and time.monotonic() >= retry_at:  # lost (an outage): subscribe again, now and then
+                    retry_at = time.monotonic() + ROOM_RESUBSCRIBE_S
+                    room = await self._subscribe_room()
                 room = await self._wait_room(room, stop, interval)
         finally:
             if room is not None:

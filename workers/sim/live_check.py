@@ -107,8 +107,9 @@ def simulate(config: Any, reqs: list[TraceRequest], cost: LinearStepCost, engine
                        dispatch_latency_ms=dispatch_ms, prefix_cache=False, host_prefix_cache=False,
                        admission=False,  # DemoRun submits past the gateway's HTTP admission: nothing is shed live
                        # the world here is the live engine, which runs each request to max_tokens (ignore_eos) = its
-                       # true length: the simulated engine is timed by its fitted profile alone, and the control plane
-                       # knows the lengths as the live one does (`oracle` in the JSON says so)
+                       # true length: the simulated engine is timed by `cost` (the fitted profile, at the run's speed
+                       # for the check), and the control plane knows the lengths as the live one does (`oracle` in
+                       # the JSON says so)
                        oracle=True)
     res = Simulator(config, reqs, lambda _spec: cost, params=params).run()
     done = [i for i in range(len(reqs)) if res.finish[i] >= 0 and not res.dropped[i]]
