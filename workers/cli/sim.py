@@ -408,7 +408,8 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """`rackflow sim validate`: the cost model's held-out error (fit on one profiled model, test on the other)."""
+    """`rackflow sim validate`: the cost model's held-out error (fitted on the calibration's profiled models, scored on
+    profiled models it never saw), then the live check."""
     from pipeline.config import load_config
     from workers.sim.perf import validate_report
 
@@ -449,9 +450,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:
+        print(f"the cost model as it ships, fitted on {', '.join(out['fitted_models'])}; scored on models it was never "
+              f"fitted on ({', '.join(out['held_out_models'])})")
         for d in out["per_operator"]:
             for arch, a in d["archs"].items():
-                print(f"fit {d['fit_model']} -> test {d['test_model']} [{arch}]")
+                print(f"fit {' + '.join(d['fit_models'])} -> test {d['test_model']} [{arch}]")
                 for op, v in a["operators"].items():
                     med = "n/a (not measured)" if v["median"] is None else f"{v['median']:.1%} (p90 {v['p90']:.1%})"
                     print(f"  {op:<26} {med}")
@@ -464,6 +467,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
         dec = out["decode_per_token_error"]
         print(f"decode_per_token_error  median {dec['median']:.1%}, p90 {dec['p90']:.1%}, max {dec['max']:.1%}, "
               f"{dec['within_target']:.0%} of {dec['points']} points within {dec['target']:.0%}")
+        for m, v in out["per_test_model"].items():
+            o, d = v["operator_points"], v["decode_step"]
+            print(f"  {m:<26} operators median {o['median']:.1%}, p90 {o['p90']:.1%}; decode step median "
+                  f"{d['median']:.1%}, p90 {d['p90']:.1%}")
+        one = out["one_model_fits"]
+        print(f"fitted on one Llama-2 model, scored on the other (both ways): median_op_error "
+              f"{one['median_op_error']:.1%}, p90_op_error {one['p90_op_error']:.1%}, decode_p90_error "
+              f"{one['decode_p90_error']:.1%}")
         if live is not None and "runs" in live:
             for k, r in enumerate(live["runs"]):
                 c = r.get("contention") or {}

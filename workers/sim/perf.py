@@ -287,14 +287,24 @@ def format_perf(n: Mapping[str, Any]) -> str:
 
 
 # -- held-out validation (`rackflow sim validate`) ----------------------------------------------------------------
-PROFILED_LAYERS = {"Llama-2-7b-hf": 32, "Llama-2-70b-hf": 80}
-"""Layer count of each profiled model (the profiles time one layer)."""
+PROFILED_LAYERS = {"Llama-2-7b-hf": 32, "Llama-2-70b-hf": 80, "Qwen-72B": 80, "CodeLlama-34b-Instruct-hf": 48,
+                   "internlm-20b": 60, "Meta-Llama-3-8B": 32, "Meta-Llama-3-70B": 80}
+"""Layer count of each profiled model (the profiles time one layer; the decode step is L of them)."""
+HELDOUT_DIR = REPO / "data" / "profiles" / "vidur-heldout"
+"""Vidur profiles of models the calibration is never fitted on (data/SOURCES.md): what `sim validate` scores it on."""
 
 
-def validate_report(gpus: Mapping[str, GpuSpec], root: Path = PROFILE_DIR) -> dict[str, Any]:
-    """Fit on one profiled model, score on the other, both ways (pipeline/costmodel/validate.py)."""
-    from pipeline.costmodel.validate import held_out
+def validate_report(gpus: Mapping[str, GpuSpec], root: Path = PROFILE_DIR, heldout: Path = HELDOUT_DIR
+                    ) -> dict[str, Any]:
+    """The shipped calibration's models fitted, the held-out models scored (pipeline/costmodel/validate.py)."""
+    from pipeline.costmodel.validate import shipped_held_out
 
     profiles = read_profiles(gpus, root)
+    held = [r for p in compute_files(heldout) for r in read_compute_rows(p)]
+    if not held:
+        raise CalibrationError(f"no held-out profiles under {heldout} (compute/<device>/<org>/<model>/mlp.csv)")
+    unknown = sorted({r.model for r in [*profiles.rows, *held]} - set(PROFILED_LAYERS))
+    if unknown:
+        raise CalibrationError(f"no layer count for profiled models {unknown}: add them to PROFILED_LAYERS")
     net = [r for p in sorted(root.glob("network/*_dgx/all_reduce.csv")) for r in read_all_reduce_rows(p)]
-    return held_out(profiles.rows, net, profiles.devices, PROFILED_LAYERS)
+    return shipped_held_out(profiles.rows, held, net, profiles.devices, PROFILED_LAYERS)
