@@ -5,6 +5,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol, SupportsFloat
+
+
+class Sorted(Protocol):
+    """Values in ascending order, read by index: a list, or a sorted numpy array."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int, /) -> SupportsFloat: ...
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -19,14 +28,22 @@ def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
     """`percentile` at each of `qs`, sorting the values once (a 2 M request report asks three of the same list)."""
     if not values:
         return [0.0 for _ in qs]
-    s = sorted(values)
+    return sorted_percentiles(sorted(values), qs)
+
+
+def sorted_percentiles(s: Sorted, qs: Sequence[float]) -> list[float]:
+    """`percentiles` of values already in ascending order: a list, or a sorted numpy array (its elements are read as
+    Python floats, so the result is the same float as from the list)."""
+    if not len(s):
+        return [0.0 for _ in qs]
     return [_interpolated(s, q) for q in qs]
 
 
-def _interpolated(s: Sequence[float], q: float) -> float:
+def _interpolated(s: Sorted, q: float) -> float:
     k = (len(s) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    a, b = float(s[lo]), float(s[hi])
+    return a + (b - a) * (k - lo)
 
 
 def stream_id_key(entry_id: str) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.sim.simulator import SimResult
-from pipeline.stats import percentile
+from pipeline.stats import percentile, sorted_percentiles
 
 
 def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
@@ -42,10 +42,10 @@ def summarize(res: SimResult, small_tokens: int = 256) -> dict[str, Any]:
         a, b = float(finishes[n_done // 4]), float(finishes[3 * n_done // 4])
         steady = (3 * n_done // 4 - n_done // 4) / max(1e-9, (b - a) / 1000.0)
     dropped = int(dropped_mask.sum())
-    e50, e95, e99 = _sorted_percentiles(np.sort(e2e), (50, 95, 99))
-    t50, t95, t99 = _sorted_percentiles(np.sort(to_first[got_first]), (50, 95, 99))
-    (small_p95,) = _sorted_percentiles(np.sort(lat[done & is_small]), (95,))
-    (small_ttft_p95,) = _sorted_percentiles(np.sort(to_first[got_first & is_small]), (95,))
+    e50, e95, e99 = sorted_percentiles(np.sort(e2e), (50, 95, 99))
+    t50, t95, t99 = sorted_percentiles(np.sort(to_first[got_first]), (50, 95, 99))
+    (small_p95,) = sorted_percentiles(np.sort(lat[done & is_small]), (95,))
+    (small_ttft_p95,) = sorted_percentiles(np.sort(to_first[got_first & is_small]), (95,))
     return {
         "requests": len(res.arrival),
         "completed": n_done,
@@ -104,33 +104,14 @@ def _expected_error(res: SimResult) -> float | None:
     return round(float(errs[k]) if len(errs) % 2 else (float(errs[k - 1]) + float(errs[k])) / 2, 4)
 
 
-def _sorted_percentiles(s: np.ndarray, qs: Sequence[float]) -> list[float]:
-    """`pipeline.stats.percentiles` of already sorted values (the same interpolation, on Python floats)."""
-    if not len(s):
-        return [0.0 for _ in qs]
-    out = []
-    for q in qs:
-        k = (len(s) - 1) * q / 100.0
-        lo, hi = math.floor(k), math.ceil(k)
-        a, b = float(s[lo]), float(s[hi])
-        out.append(a + (b - a) * (k - lo))
-    return out
-
-
 def _node_p95(nodes: np.ndarray, lat: np.ndarray) -> list[float]:
     """Each node's 95th percentile latency, the nodes in the order of their first completed request (as a dict
     filled in request order lists them)."""
-    if not len(nodes):
-        return []
-    order = np.lexsort((lat, nodes))  # by node, then latency
-    sn, sl = nodes[order], lat[order]
-    cuts = np.flatnonzero(np.diff(sn)) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [len(sn)]))
-    p95 = {int(sn[a]): _sorted_percentiles(sl[a:b], (95,))[0] for a, b in zip(starts, ends, strict=True)}
-    _, first_seen = np.unique(nodes, return_index=True)
-    by_first = sorted(zip(first_seen.tolist(), np.unique(nodes).tolist(), strict=True))
-    return [p95[n] for _, n in by_first]
+    _, first_seen, counts = np.unique(nodes, return_index=True, return_counts=True)
+    by_node = lat[np.lexsort((lat, nodes))]  # by node (ascending, as np.unique lists them), then latency
+    ends = np.cumsum(counts)
+    p95 = [sorted_percentiles(by_node[e - c:e], (95,))[0] for e, c in zip(ends.tolist(), counts.tolist(), strict=True)]
+    return [p95[j] for j in np.argsort(first_seen, kind="stable").tolist()]
 
 
 def kv_util_peak(res: SimResult) -> float:

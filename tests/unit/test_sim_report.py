@@ -62,9 +62,9 @@ def same(res: SimResult) -> None:
         assert got[k] == want[k] and type(got[k]) is type(want[k]), (k, got[k], want[k])
 
 
-def test_a_run_with_a_node_dying_and_requests_shed() -> None:
+def test_a_run_with_a_node_dying() -> None:
     res = run(cfg(), azure(1500, rate=12.0), faults=[Fault(20_000.0, "r0-n1", "death")])
-    assert any(res.dropped) or res.shed or res.migrations  # something more than the happy path
+    assert res.migrations > 0  # its live sequences moved: more than the happy path
     same(res)
 
 
