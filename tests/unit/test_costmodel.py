@@ -1,5 +1,6 @@
 """Calibrated cost model: the properties a scheduler and the simulator rely on (monotone in the work, the
-all-reduce as measured, faster hardware is faster, TP splits work and adds all-reduce), the closed-form decode spans, and sane absolute numbers."""
+all-reduce as measured, faster hardware is faster, TP splits work and adds all-reduce), the closed-form decode
+spans, and sane absolute numbers."""
 
 from __future__ import annotations
 
