@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import itertools
 import json
 import math
 import random
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -641,7 +644,22 @@ class RoleThread:
         if self._loop is not None and self._stop is not None and self.thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(60)
-        assert not self.thread.is_alive(), "role did not stop"
+        assert not self.thread.is_alive(), f"role did not stop in 60 s; its tasks:\n{self._task_stacks()}"
+
+    def _task_stacks(self) -> str:
+        """Where the role's thread is now and where each of its asyncio tasks waits (for a role that does not stop:
+        the test says where; a loop stuck in synchronous code shows in the thread's frame)."""
+        loop = self._loop
+        if loop is None:
+            return "(no loop)"
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        now = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(no frame)"
+        out = [f"thread now:\n{now}"]
+        for task in list(asyncio.all_tasks(loop)):
+            buf = io.StringIO()
+            task.print_stack(limit=8, file=buf)
+            out.append(buf.getvalue())
+        return "\n".join(out)
 
 
 def _sid(x: bytes | str) -> tuple[int, int]:
