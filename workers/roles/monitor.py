@@ -33,7 +33,7 @@ from pipeline.health import HealthSample, HealthScorer, HeartbeatWatch
 from pipeline.sequences import NodeState, NodeTrigger, node_transition
 from pipeline.stats import stream_id_ms
 from streams import keys
-from streams.runner import Delivery, StreamConsumer, StreamProducer, connect
+from streams.runner import Delivery, StreamConsumer, StreamProducer, cancel_and_wait, connect
 from workers.control import app as celery_app
 from workers.shell import metrics
 from workers.shell.runtime import WALL, log_context
@@ -151,10 +151,7 @@ class Monitor:
     async def _step_down(self, *tasks: asyncio.Task[None] | None) -> None:
         if self.consumer is not None:
             self.consumer.stop()
-        for t in tasks:
-            if t is not None:
-                t.cancel()
-        await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
+        await cancel_and_wait(*tasks)
         if self.consumer is not None:
             await self.consumer.close()
             self.consumer = None
