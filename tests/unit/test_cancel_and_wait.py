@@ -4,6 +4,7 @@ its own timeout error) still ends, where one cancel and a gather would wait for 
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from streams.runner import cancel_and_wait
 
@@ -36,15 +37,30 @@ def test_a_loop_that_swallows_its_cancels_still_ends() -> None:
     assert swallowed == 2
 
 
-def test_none_and_finished_tasks_are_fine_and_errors_are_not_raised() -> None:
+def test_none_and_finished_tasks_are_fine_and_errors_are_retrieved_not_raised() -> None:
     async def fails() -> None:
         raise RuntimeError("boom")
 
-    async def main() -> bool:
-        t = asyncio.create_task(fails())
-        await asyncio.sleep(0)
-        await cancel_and_wait(None, t)
-        await cancel_and_wait()
-        return t.done()
+    async def cancel_becomes_an_error() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise RuntimeError("a client call's own error") from None
 
-    assert asyncio.run(main())
+    async def main() -> None:
+        t = asyncio.create_task(fails())
+        u = asyncio.create_task(cancel_becomes_an_error())
+        await asyncio.sleep(0)
+        await cancel_and_wait(None, t, u)
+        await cancel_and_wait()
+        assert t.done() and u.done()  # (u.exception() here would retrieve it: the check below is the point)
+
+    unretrieved: list[dict[str, object]] = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
+    try:
+        loop.run_until_complete(main())
+        gc.collect()  # a task whose exception nobody retrieved reports it when it is collected
+    finally:
+        loop.close()
+    assert not unretrieved, unretrieved
